@@ -1,0 +1,123 @@
+//! Subcommand dispatch, one module per subcommand. [`main`] is the real
+//! `main`: it parses arguments, sets up logging, builds the runtime and maps
+//! results to exit codes (0 ok, 1 a task did not succeed, 2 usage,
+//! configuration or connection error).
+
+pub mod cancel;
+pub mod dead;
+pub mod logs;
+pub mod results;
+pub mod run;
+pub mod schedule;
+pub mod schema;
+pub mod setup;
+pub mod submit;
+pub mod workers;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::cli::{Cli, Command, GlobalArgs};
+use crate::config::{self, ConfigError, ConnectConfig, FileConfig, LogConfig};
+
+/// What a subcommand came to, besides errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Exit 0.
+    Ok,
+    /// Exit 1: the task(s) did not succeed.
+    NotSucceeded,
+}
+
+/// Shared settings handed to every subcommand.
+pub struct Ctx {
+    pub global: GlobalArgs,
+    pub file: FileConfig,
+    pub connect: ConnectConfig,
+}
+
+impl Ctx {
+    /// Connect for an operator command (fails fast).
+    pub async fn client(&self) -> anyhow::Result<async_nats::Client> {
+        crate::connect::connect_cli(&self.connect).await
+    }
+}
+
+/// Set up `tracing` to stderr.
+pub fn init_logging(log: &LogConfig) {
+    let filter = tracing_subscriber::EnvFilter::try_new(&log.level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if log.json {
+        b.json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .try_init()
+    } else {
+        b.try_init()
+    };
+}
+
+/// Whether an error is a broken pipe (`jetworker results | head`).
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .map(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            .unwrap_or(false)
+    })
+}
+
+/// The binary's entry point.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run_cli(cli) {
+        Ok(Exit::Ok) => ExitCode::SUCCESS,
+        Ok(Exit::NotSucceeded) => ExitCode::from(1),
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) => {
+            if let Some(c) = e.downcast_ref::<ConfigError>() {
+                eprintln!("jetworker: {c}");
+            } else {
+                eprintln!("jetworker: {e:#}");
+            }
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run_cli(cli: Cli) -> anyhow::Result<Exit> {
+    let file = config::load_file(&cli.global)?;
+    let log = config::resolve_log(&cli.global, &file)?;
+    init_logging(&log);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    // The worker resolves its own settings (it needs the file by value).
+    if let Command::Run(args) = cli.command {
+        let cfg = config::resolve_worker(&cli.global, &args, file)?;
+        return rt.block_on(run::run(cfg));
+    }
+    let connect = config::resolve_connect(&cli.global, &file)?;
+    let ctx = Ctx {
+        global: cli.global,
+        file,
+        connect,
+    };
+    rt.block_on(async move {
+        match cli.command {
+            Command::Run(_) => unreachable!(),
+            Command::Submit(a) => submit::run(&ctx, a).await,
+            Command::Results(a) => results::run(&ctx, a).await,
+            Command::Workers(a) => workers::run(&ctx, a).await,
+            Command::Cancel(a) => cancel::run(&ctx, a).await,
+            Command::Logs(a) => logs::run(&ctx, a).await,
+            Command::Dead(a) => dead::run(&ctx, a).await,
+            Command::Schedule(a) => schedule::run(&ctx, a).await,
+            Command::Schema(a) => schema::run(&ctx, a).await,
+            Command::Setup(a) => setup::run(&ctx, a).await,
+        }
+    })
+}

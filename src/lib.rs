@@ -1,0 +1,33 @@
+//! jetworker: a task worker for NATS JetStream, and its operator CLI.
+//!
+//! The wire contract (subjects, JSON fields, statuses, delivery rules) is
+//! DESIGN.md; this crate implements it.
+//!
+//! # Layout
+//!
+//! - [`protocol`]: names, the task message and its validation, results,
+//!   heartbeats.
+//! - [`config`]: file + environment + flags → validated settings.
+//! - [`cli`]: clap definitions; [`commands`]: one module per subcommand.
+//! - [`connect`]: NATS connection, auth, TLS, server version check.
+//! - [`setup`]: streams, consumers and KV buckets, created idempotently.
+//! - [`worker`]: the daemon — pulling, per-task handling, acks, heartbeats,
+//!   cancellation, the outbox, shutdown.
+//! - [`runner`]: one runner per task type; [`process`] (process groups,
+//!   signals, rlimits) and [`output`] (bounded capture) serve them.
+//! - [`metrics`]: Prometheus `/metrics`, `/healthz`, `/readyz`.
+
+pub mod cli;
+pub mod commands;
+pub mod config;
+pub mod connect;
+pub mod metrics;
+pub mod output;
+pub mod process;
+pub mod protocol;
+pub mod runner;
+pub mod setup;
+pub mod worker;
+
+/// The version reported in heartbeats and `--version`.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,0 +1,1529 @@
+//! The wire contract of DESIGN.md sections 2–4 and 6: subject and bucket
+//! names, the task message as a person types it ([`TaskMessage`]), its
+//! validated form ([`Task`]), the result message ([`TaskResult`]) and the
+//! heartbeat value ([`Heartbeat`]).
+//!
+//! Validation lives here, not in the runners, so that every problem with a
+//! task is found before anything runs and is reported as one `rejected`
+//! result that names the field.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Header carrying the result status, so that consumers can filter results
+/// without parsing JSON.
+pub const HEADER_STATUS: &str = "Jetworker-Status";
+/// Header carrying the label of the task a result (or dead letter) is for.
+pub const HEADER_LABEL: &str = "Jetworker-Label";
+/// Header carrying the reason a task was dead-lettered.
+pub const HEADER_REASON: &str = "Jetworker-Reason";
+/// Header carrying the id of the task a dead letter belongs to.
+pub const HEADER_TASK_ID: &str = "Jetworker-Task-Id";
+/// Header set by the server on a copy fired by a message schedule.
+pub const HEADER_SCHEDULER: &str = "Nats-Scheduler";
+
+/// Defaults from DESIGN.md section 3.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+pub const DEFAULT_BACKOFF: Duration = Duration::from_secs(1);
+pub const DEFAULT_BACKOFF_FACTOR: f64 = 2.0;
+pub const DEFAULT_MAX_BACKOFF: Duration = Duration::from_secs(300);
+/// Upper bound for `retry.max_attempts`, so that a typo cannot make a task
+/// retry forever.
+pub const MAX_ATTEMPTS_LIMIT: u32 = 1000;
+/// Upper bound for a task timeout (one week).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Environment variables the worker sets itself; a task's `env` may not
+/// override them.
+pub const RESERVED_ENV: &[&str] = &[
+    "IDEMPOTENCY_KEY",
+    "SHARD_NO",
+    "SHARD_TOTAL",
+    "SCHEDULE_INSTANCE_ID",
+    "ATTEMPT",
+];
+
+/// Names of every stream, subject prefix and bucket (DESIGN.md section 2).
+/// All overridable, so that several tenants can share one account.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Names {
+    /// WorkQueue stream holding tasks and schedules.
+    pub tasks_stream: String,
+    /// First token of task subjects (`tasks.<label>`).
+    pub tasks_prefix: String,
+    /// First token of schedule subjects, stored in the tasks stream.
+    pub schedules_prefix: String,
+    /// Limits stream holding results.
+    pub results_stream: String,
+    /// First token of result subjects (`results.<id>`).
+    pub results_prefix: String,
+    /// Stream holding dead letters.
+    pub dead_stream: String,
+    /// First token of dead-letter subjects (`dead.<label>.<id>`).
+    pub dead_prefix: String,
+    /// First token of the live-output subjects (`logs.<id>`, core NATS).
+    pub logs_prefix: String,
+    /// KV bucket of worker heartbeats.
+    pub workers_bucket: String,
+    /// KV bucket of cancellation requests.
+    pub cancel_bucket: String,
+}
+
+impl Default for Names {
+    fn default() -> Self {
+        Names {
+            tasks_stream: "TASKS".into(),
+            tasks_prefix: "tasks".into(),
+            schedules_prefix: "schedules".into(),
+            results_stream: "RESULTS".into(),
+            results_prefix: "results".into(),
+            dead_stream: "DEAD".into(),
+            dead_prefix: "dead".into(),
+            logs_prefix: "logs".into(),
+            workers_bucket: "workers".into(),
+            cancel_bucket: "cancel".into(),
+        }
+    }
+}
+
+impl Names {
+    pub fn task_subject(&self, label: &str) -> String {
+        format!("{}.{}", self.tasks_prefix, label)
+    }
+    /// The two filters of a label's consumer: exactly `tasks.<label>` and
+    /// everything below it. They never overlap another label's filters.
+    pub fn label_filters(&self, label: &str) -> Vec<String> {
+        vec![
+            format!("{}.{}", self.tasks_prefix, label),
+            format!("{}.{}.>", self.tasks_prefix, label),
+        ]
+    }
+    pub fn consumer_name(&self, label: &str) -> String {
+        format!("label-{label}")
+    }
+    pub fn schedule_subject(&self, name: &str) -> String {
+        format!("{}.{}", self.schedules_prefix, name)
+    }
+    pub fn result_subject(&self, id: &str) -> String {
+        format!("{}.{}", self.results_prefix, id)
+    }
+    pub fn dead_subject(&self, label: &str, id: &str) -> String {
+        format!("{}.{}.{}", self.dead_prefix, label, id)
+    }
+    pub fn logs_subject(&self, id: &str) -> String {
+        format!("{}.{}", self.logs_prefix, id)
+    }
+    /// The label of a task subject (`tasks.<label>[.…]`), if it is one.
+    pub fn label_of<'a>(&self, subject: &'a str) -> Option<&'a str> {
+        let rest = subject
+            .strip_prefix(&self.tasks_prefix)?
+            .strip_prefix('.')?;
+        let label = rest.split('.').next()?;
+        valid_label(label).then_some(label)
+    }
+}
+
+/// `[A-Za-z0-9_-]{1,64}`.
+pub fn valid_label(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 64 && s.bytes().all(is_id_byte)
+}
+
+/// `[A-Za-z0-9_-]{1,128}`: safe as a subject token, a KV key and a file name.
+pub fn valid_id(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 128 && s.bytes().all(is_id_byte)
+}
+
+fn is_id_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_' || b == b'-'
+}
+
+/// Task runner types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskType {
+    Shell,
+    Command,
+    Http,
+    Container,
+}
+
+impl TaskType {
+    pub const ALL: [TaskType; 4] = [
+        TaskType::Shell,
+        TaskType::Command,
+        TaskType::Http,
+        TaskType::Container,
+    ];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskType::Shell => "shell",
+            TaskType::Command => "command",
+            TaskType::Http => "http",
+            TaskType::Container => "container",
+        }
+    }
+}
+
+impl std::fmt::Display for TaskType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for TaskType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "shell" => Ok(TaskType::Shell),
+            "command" => Ok(TaskType::Command),
+            "http" => Ok(TaskType::Http),
+            "container" => Ok(TaskType::Container),
+            other => Err(format!(
+                "unknown task type `{other}` (expected shell, command, http or container)"
+            )),
+        }
+    }
+}
+
+/// `shard`: which slice of a fanned-out job this task is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Shard {
+    pub no: u32,
+    pub total: u32,
+}
+
+/// `retry`: the attempt budget and backoff of a task.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RetryMessage {
+    /// Attempts in all, the first included (default 3).
+    pub max_attempts: Option<u32>,
+    /// Delay before the second attempt, humantime (default `1s`).
+    pub backoff: Option<String>,
+    /// Multiplier per further attempt (default 2).
+    pub factor: Option<f64>,
+    /// Upper bound of the delay (default `5m`).
+    pub max_backoff: Option<String>,
+}
+
+/// `limits`: per-task resource limits; sizes accept `256MiB`, `1GB`, or
+/// a number of bytes.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsMessage {
+    /// Memory ceiling (`"256MiB"`).
+    pub memory: Option<SizeValue>,
+    /// CPU share in cores (cgroup / docker), e.g. 1.5.
+    pub cpu: Option<f64>,
+    /// CPU time in seconds (RLIMIT_CPU) for shell and command tasks.
+    pub cpu_seconds: Option<u64>,
+    /// Maximum number of processes/threads.
+    pub pids: Option<u64>,
+    /// Maximum number of open files.
+    pub nofile: Option<u64>,
+    /// Output cap for this task (never above the worker's).
+    pub output: Option<SizeValue>,
+}
+
+/// A size given as a string with a unit or as a plain number of bytes.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum SizeValue {
+    Bytes(u64),
+    Text(String),
+}
+
+impl SizeValue {
+    fn parse(&self, field: &str) -> Result<u64, Invalid> {
+        match self {
+            SizeValue::Bytes(n) => Ok(*n),
+            SizeValue::Text(s) => parse_size(s).map_err(|e| Invalid::new(field, e)),
+        }
+    }
+}
+
+/// A size such as `256KiB`, `1 MiB`, `10MB` or `4096`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    parse_size::Config::new()
+        .with_binary()
+        .parse_size(s.trim())
+        .map_err(|e| format!("`{s}` is not a size like 256MiB ({e})"))
+}
+
+/// A size for people: `256KiB`, `1.5MiB`, `12B`.
+pub fn format_size(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < UNITS.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 || v.fract() == 0.0 {
+        format!("{}{}", v as u64, UNITS[i])
+    } else {
+        format!("{v:.1}{}", UNITS[i])
+    }
+}
+
+/// A duration such as `90s`, `5m`, `1h 30m`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim())
+        .map_err(|e| format!("`{s}` is not a duration like 90s or 5m ({e})"))
+}
+
+/// HTTP success range: `[200, 299]`, `"200-299"` or a single status.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum SuccessValue {
+    One(u16),
+    Range([u16; 2]),
+    Text(String),
+}
+
+/// A timeout as a humantime string (`"90s"`).
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum TimeoutValue {
+    Text(String),
+}
+
+/// The task message exactly as it travels (DESIGN.md section 3). Every
+/// field is optional here so that validation can name what is missing;
+/// unknown fields are refused by serde itself.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+#[schemars(
+    title = "jetworker task",
+    description = "A task message published on tasks.<label>"
+)]
+pub struct TaskMessage {
+    /// Runner: shell, command, http or container.
+    #[serde(rename = "type")]
+    pub task_type: Option<TaskType>,
+    /// Instance id `[A-Za-z0-9_-]{1,128}`; default: the Nats-Msg-Id header or `seq-<n>`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// Seed short form: shell → script, http → URL, container → docker-run options.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload: Option<String>,
+    /// Exported as IDEMPOTENCY_KEY / X-Idempotency-Key; default: the instance id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shard: Option<Shard>,
+    /// Flat form of `shard.no`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shard_no: Option<u32>,
+    /// Flat form of `shard.total`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shard_total: Option<u32>,
+    /// Whole-attempt timeout, humantime (`"90s"`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<String>,
+    /// Whole-attempt timeout in seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetryMessage>,
+    /// Extra environment; may not override the reserved names.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub env: Option<BTreeMap<String, String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limits: Option<LimitsMessage>,
+    /// shell: the script.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub script: Option<String>,
+    /// command: the program.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    /// command: arguments; container: overrides the image's CMD.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub args: Option<Vec<String>>,
+    /// http: the URL.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// http: the method (GET).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// http: request headers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub headers: Option<BTreeMap<String, String>>,
+    /// http: request body.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub body: Option<String>,
+    /// http: statuses that count as success (default 200–299).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub success: Option<SuccessValue>,
+    /// container: the image (required).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// container: overrides the image's ENTRYPOINT.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entrypoint: Option<Vec<String>>,
+    /// container: working directory inside the container.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    /// container: user (`uid[:gid]` or name).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// container: `none`, `bridge`, or a network the worker allows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
+    /// container: `never`, `if-missing` (default) or `always`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pull: Option<PullPolicy>,
+}
+
+/// When to pull a container image.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum PullPolicy {
+    Never,
+    #[default]
+    IfMissing,
+    Always,
+}
+
+/// Why a task was refused: the field (a JSON path) and the problem.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {problem}")]
+pub struct Invalid {
+    pub field: String,
+    pub problem: String,
+}
+
+impl Invalid {
+    pub fn new(field: impl Into<String>, problem: impl Into<String>) -> Self {
+        Invalid {
+            field: field.into(),
+            problem: problem.into(),
+        }
+    }
+}
+
+/// Retry policy of a validated task.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryPolicy {
+    pub max_attempts: u32,
+    pub backoff: Duration,
+    pub factor: f64,
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            backoff: DEFAULT_BACKOFF,
+            factor: DEFAULT_BACKOFF_FACTOR,
+            max_backoff: DEFAULT_MAX_BACKOFF,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The delay before the attempt after `attempt` (1-based):
+    /// `backoff × factor^(attempt-1)`, capped at `max_backoff`.
+    pub fn delay_after(&self, attempt: u32) -> Duration {
+        let exp = attempt.saturating_sub(1).min(64) as i32;
+        let secs = self.backoff.as_secs_f64() * self.factor.powi(exp);
+        let max = self.max_backoff.as_secs_f64();
+        Duration::from_secs_f64(if secs.is_finite() { secs.min(max) } else { max })
+    }
+}
+
+/// Validated per-task limits (bytes, cores, counts).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Limits {
+    pub memory: Option<u64>,
+    pub cpu: Option<f64>,
+    pub cpu_seconds: Option<u64>,
+    pub pids: Option<u64>,
+    pub nofile: Option<u64>,
+    pub output: Option<u64>,
+}
+
+/// What to run, per type.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TaskKind {
+    Shell { script: String },
+    Command { program: String, args: Vec<String> },
+    Http(HttpSpec),
+    Container(ContainerSpec),
+}
+
+impl TaskKind {
+    pub fn task_type(&self) -> TaskType {
+        match self {
+            TaskKind::Shell { .. } => TaskType::Shell,
+            TaskKind::Command { .. } => TaskType::Command,
+            TaskKind::Http(_) => TaskType::Http,
+            TaskKind::Container(_) => TaskType::Container,
+        }
+    }
+}
+
+/// A validated http task.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HttpSpec {
+    pub url: String,
+    pub method: String,
+    pub headers: BTreeMap<String, String>,
+    pub body: Option<String>,
+    /// Inclusive range of statuses counted as success.
+    pub success: (u16, u16),
+}
+
+/// A validated container task.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ContainerSpec {
+    pub image: String,
+    pub entrypoint: Option<Vec<String>>,
+    pub args: Option<Vec<String>>,
+    pub env: BTreeMap<String, String>,
+    pub workdir: Option<String>,
+    pub user: Option<String>,
+    pub network: Option<String>,
+    pub pull: PullPolicy,
+    pub memory: Option<u64>,
+    pub cpus: Option<f64>,
+}
+
+/// A task that passed validation: everything a runner needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Task {
+    pub id: String,
+    pub label: String,
+    pub kind: TaskKind,
+    pub idempotency_key: String,
+    pub shard: Option<Shard>,
+    pub timeout: Option<Duration>,
+    pub retry: RetryPolicy,
+    pub env: BTreeMap<String, String>,
+    pub limits: Limits,
+}
+
+impl Task {
+    pub fn task_type(&self) -> TaskType {
+        self.kind.task_type()
+    }
+}
+
+/// Where a message came from, as far as the task id is concerned.
+#[derive(Debug, Clone, Default)]
+pub struct Envelope<'a> {
+    /// The label, from the subject.
+    pub label: &'a str,
+    /// `Nats-Msg-Id` header, if any.
+    pub msg_id: Option<&'a str>,
+    /// Stream sequence of the message.
+    pub stream_sequence: u64,
+    /// `Nats-Scheduler` header (the schedule subject), for cron firings.
+    pub scheduler: Option<&'a str>,
+    /// When the message was stored; a cron firing's scheduled time.
+    pub published: Option<DateTime<Utc>>,
+}
+
+impl Envelope<'_> {
+    /// The id used when the JSON gives none (DESIGN.md section 3).
+    pub fn fallback_id(&self) -> String {
+        match self.msg_id {
+            Some(h) if valid_id(h) => h.to_string(),
+            _ => format!("seq-{}", self.stream_sequence),
+        }
+    }
+
+    /// The schedule name of a cron firing (`schedules.<name>` → `<name>`).
+    fn schedule_name(&self) -> Option<&str> {
+        let s = self.scheduler?;
+        let name = s.split_once('.').map(|(_, n)| n).unwrap_or(s);
+        Some(name)
+    }
+}
+
+/// The id under which a rejected message is reported: the JSON `id` if the
+/// bytes are an object with a valid one, else the envelope's fallback.
+pub fn best_effort_id(bytes: &[u8], env: &Envelope<'_>) -> String {
+    #[derive(Deserialize)]
+    struct OnlyId {
+        id: Option<serde_json::Value>,
+    }
+    if let Ok(OnlyId {
+        id: Some(serde_json::Value::String(id)),
+    }) = serde_json::from_slice::<OnlyId>(bytes)
+    {
+        if valid_id(&id) && env.scheduler.is_none() {
+            return id;
+        }
+    }
+    env.fallback_id()
+}
+
+/// Options the worker passes to validation.
+#[derive(Debug, Clone)]
+pub struct ValidationLimits {
+    pub max_task_bytes: usize,
+    /// Networks a container task may name besides `none` and `bridge`.
+    pub allowed_networks: Vec<String>,
+}
+
+impl Default for ValidationLimits {
+    fn default() -> Self {
+        ValidationLimits {
+            max_task_bytes: 256 * 1024,
+            allowed_networks: Vec::new(),
+        }
+    }
+}
+
+/// Parse and validate a task message. The error names the field.
+pub fn parse_task(
+    bytes: &[u8],
+    env: &Envelope<'_>,
+    limits: &ValidationLimits,
+) -> Result<Task, Invalid> {
+    if bytes.len() > limits.max_task_bytes {
+        return Err(Invalid::new(
+            "(message)",
+            format!(
+                "task is {} bytes, more than max_task_bytes ({})",
+                bytes.len(),
+                limits.max_task_bytes
+            ),
+        ));
+    }
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| Invalid::new("(message)", format!("task is not valid UTF-8 JSON: {e}")))?;
+    let value: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| Invalid::new("(message)", format!("task is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(Invalid::new(
+            "(message)",
+            format!("task must be a JSON object, not {}", json_kind(&value)),
+        ));
+    }
+    let msg: TaskMessage = serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        // serde names the offending key of an unknown field itself.
+        let field = if path == "." {
+            unknown_field_name(&inner).unwrap_or_else(|| "(message)".into())
+        } else {
+            path
+        };
+        Invalid::new(field, inner)
+    })?;
+    validate(msg, env, limits)
+}
+
+fn unknown_field_name(msg: &str) -> Option<String> {
+    let rest = msg.strip_prefix("unknown field `")?;
+    Some(rest.split('`').next()?.to_string())
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// Format of a cron firing's scheduled time in its instance id.
+pub fn instance_time(t: DateTime<Utc>) -> String {
+    t.format("%Y%m%dT%H%M%SZ").to_string()
+}
+
+/// Validate a parsed task message against DESIGN.md section 3.
+pub fn validate(
+    msg: TaskMessage,
+    env: &Envelope<'_>,
+    limits: &ValidationLimits,
+) -> Result<Task, Invalid> {
+    let task_type = msg
+        .task_type
+        .ok_or_else(|| Invalid::new("type", "missing (shell, command, http or container)"))?;
+
+    if let Some(id) = &msg.id {
+        if !valid_id(id) {
+            return Err(Invalid::new(
+                "id",
+                format!("`{}` is not [A-Za-z0-9_-]{{1,128}}", truncate_for_error(id)),
+            ));
+        }
+    }
+    let mut id = msg.id.clone().unwrap_or_else(|| env.fallback_id());
+    if let Some(name) = env.schedule_name() {
+        // A cron firing: each scheduled time is its own instance.
+        let base = msg.id.clone().unwrap_or_else(|| name.to_string());
+        let when = env.published.unwrap_or_else(Utc::now);
+        id = format!("{base}-{}", instance_time(when));
+        if !valid_id(&id) {
+            return Err(Invalid::new(
+                "id",
+                format!("instance id `{}` is too long", truncate_for_error(&id)),
+            ));
+        }
+    }
+
+    let idempotency_key = match &msg.idempotency_key {
+        Some(k) if k.is_empty() || k.len() > 256 => {
+            return Err(Invalid::new(
+                "idempotency_key",
+                "must be 1 to 256 characters",
+            ))
+        }
+        Some(k) if k.chars().any(char::is_control) => {
+            return Err(Invalid::new(
+                "idempotency_key",
+                "may not contain control characters",
+            ))
+        }
+        Some(k) if env.scheduler.is_some() => format!("{k}-{}", id_suffix(&id)),
+        Some(k) => k.clone(),
+        None => id.clone(),
+    };
+
+    let shard = match (msg.shard, msg.shard_no, msg.shard_total) {
+        (Some(_), Some(_), _) | (Some(_), _, Some(_)) => {
+            return Err(Invalid::new(
+                "shard",
+                "give either `shard` or `shard_no`/`shard_total`, not both",
+            ))
+        }
+        (Some(s), None, None) => Some(check_shard(s, "shard")?),
+        (None, Some(no), Some(total)) => Some(check_shard(Shard { no, total }, "shard_no")?),
+        (None, Some(_), None) => {
+            return Err(Invalid::new("shard_total", "missing (shard_no is set)"))
+        }
+        (None, None, Some(_)) => {
+            return Err(Invalid::new("shard_no", "missing (shard_total is set)"))
+        }
+        (None, None, None) => None,
+    };
+
+    let timeout = match (&msg.timeout, msg.timeout_seconds) {
+        (Some(_), Some(_)) => {
+            return Err(Invalid::new(
+                "timeout",
+                "give either `timeout` or `timeout_seconds`, not both",
+            ))
+        }
+        (Some(t), None) => Some(check_timeout(
+            parse_duration(t).map_err(|e| Invalid::new("timeout", e))?,
+            "timeout",
+        )?),
+        (None, Some(s)) => Some(check_timeout(Duration::from_secs(s), "timeout_seconds")?),
+        (None, None) => None,
+    };
+
+    let retry = match &msg.retry {
+        None => RetryPolicy::default(),
+        Some(r) => {
+            let d = RetryPolicy::default();
+            let max_attempts = r.max_attempts.unwrap_or(d.max_attempts);
+            if max_attempts == 0 || max_attempts > MAX_ATTEMPTS_LIMIT {
+                return Err(Invalid::new(
+                    "retry.max_attempts",
+                    format!("must be 1 to {MAX_ATTEMPTS_LIMIT}"),
+                ));
+            }
+            let backoff = match &r.backoff {
+                Some(b) => parse_duration(b).map_err(|e| Invalid::new("retry.backoff", e))?,
+                None => d.backoff,
+            };
+            let factor = r.factor.unwrap_or(d.factor);
+            if !(1.0..=100.0).contains(&factor) {
+                return Err(Invalid::new("retry.factor", "must be between 1 and 100"));
+            }
+            let max_backoff = match &r.max_backoff {
+                Some(b) => parse_duration(b).map_err(|e| Invalid::new("retry.max_backoff", e))?,
+                None => d.max_backoff.max(backoff),
+            };
+            if max_backoff < backoff {
+                return Err(Invalid::new(
+                    "retry.max_backoff",
+                    "must not be shorter than retry.backoff",
+                ));
+            }
+            if max_backoff > Duration::from_secs(24 * 3600) {
+                return Err(Invalid::new("retry.max_backoff", "must be at most 24h"));
+            }
+            RetryPolicy {
+                max_attempts,
+                backoff,
+                factor,
+                max_backoff,
+            }
+        }
+    };
+
+    let task_env = msg.env.clone().unwrap_or_default();
+    for (k, v) in &task_env {
+        check_env_pair(k, v, "env")?;
+    }
+
+    let lim = msg.limits.clone().unwrap_or_default();
+    let limits_v = Limits {
+        memory: positive(
+            lim.memory
+                .as_ref()
+                .map(|m| m.parse("limits.memory"))
+                .transpose()?,
+            "limits.memory",
+        )?,
+        cpu: match lim.cpu {
+            Some(c) if !(c > 0.0 && c <= 1024.0) => {
+                return Err(Invalid::new(
+                    "limits.cpu",
+                    "must be a number of cores above 0",
+                ))
+            }
+            c => c,
+        },
+        cpu_seconds: positive(lim.cpu_seconds, "limits.cpu_seconds")?,
+        pids: positive(lim.pids, "limits.pids")?,
+        nofile: positive(lim.nofile, "limits.nofile")?,
+        output: positive(
+            lim.output
+                .as_ref()
+                .map(|m| m.parse("limits.output"))
+                .transpose()?,
+            "limits.output",
+        )?,
+    };
+    if let Some(m) = limits_v.memory {
+        if m < 1024 * 1024 {
+            return Err(Invalid::new("limits.memory", "must be at least 1MiB"));
+        }
+    }
+
+    let kind = build_kind(task_type, &msg, limits, &task_env, &limits_v)?;
+
+    Ok(Task {
+        id,
+        label: env.label.to_string(),
+        kind,
+        idempotency_key,
+        shard,
+        timeout,
+        retry,
+        env: task_env,
+        limits: limits_v,
+    })
+}
+
+fn id_suffix(id: &str) -> &str {
+    id.rsplit('-').next().unwrap_or(id)
+}
+
+fn truncate_for_error(s: &str) -> String {
+    if s.chars().count() > 40 {
+        format!("{}…", s.chars().take(40).collect::<String>())
+    } else {
+        s.to_string()
+    }
+}
+
+fn positive(v: Option<u64>, field: &str) -> Result<Option<u64>, Invalid> {
+    match v {
+        Some(0) => Err(Invalid::new(field, "must be greater than 0")),
+        v => Ok(v),
+    }
+}
+
+fn check_shard(s: Shard, field: &str) -> Result<Shard, Invalid> {
+    if s.total == 0 || s.no >= s.total {
+        return Err(Invalid::new(
+            field,
+            format!("need 0 <= no < total, got no={} total={}", s.no, s.total),
+        ));
+    }
+    Ok(s)
+}
+
+fn check_timeout(d: Duration, field: &str) -> Result<Duration, Invalid> {
+    if d.is_zero() {
+        return Err(Invalid::new(field, "must be greater than 0"));
+    }
+    if d > MAX_TIMEOUT {
+        return Err(Invalid::new(field, "must be at most 7 days"));
+    }
+    Ok(d)
+}
+
+/// An environment variable name: `[A-Za-z_][A-Za-z0-9_]*`, not reserved,
+/// and a value without NUL.
+fn check_env_pair(k: &str, v: &str, field: &str) -> Result<(), Invalid> {
+    let f = format!("{field}.{k}");
+    let mut bytes = k.bytes();
+    let ok = matches!(bytes.next(), Some(b) if b.is_ascii_alphabetic() || b == b'_')
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_');
+    if !ok || k.len() > 256 {
+        return Err(Invalid::new(f, "not a valid environment variable name"));
+    }
+    if RESERVED_ENV.contains(&k) {
+        return Err(Invalid::new(f, "is reserved and set by the worker"));
+    }
+    if v.contains('\0') {
+        return Err(Invalid::new(f, "value contains a NUL byte"));
+    }
+    Ok(())
+}
+
+/// Fields that belong to one task type only.
+const TYPE_FIELDS: &[(&str, &[TaskType])] = &[
+    ("script", &[TaskType::Shell]),
+    ("command", &[TaskType::Command]),
+    ("args", &[TaskType::Command, TaskType::Container]),
+    ("url", &[TaskType::Http]),
+    ("method", &[TaskType::Http]),
+    ("headers", &[TaskType::Http]),
+    ("body", &[TaskType::Http]),
+    ("success", &[TaskType::Http]),
+    ("image", &[TaskType::Container]),
+    ("entrypoint", &[TaskType::Container]),
+    ("workdir", &[TaskType::Container]),
+    ("user", &[TaskType::Container]),
+    ("network", &[TaskType::Container]),
+    ("pull", &[TaskType::Container]),
+    (
+        "payload",
+        &[TaskType::Shell, TaskType::Http, TaskType::Container],
+    ),
+];
+
+fn present_fields(m: &TaskMessage) -> Vec<&'static str> {
+    let mut v = Vec::new();
+    macro_rules! p {
+        ($($f:ident),*) => { $( if m.$f.is_some() { v.push(stringify!($f)); } )* };
+    }
+    p!(
+        script, command, args, url, method, headers, body, success, image, entrypoint, workdir,
+        user, network, pull, payload
+    );
+    v
+}
+
+fn build_kind(
+    t: TaskType,
+    m: &TaskMessage,
+    vl: &ValidationLimits,
+    task_env: &BTreeMap<String, String>,
+    limits: &Limits,
+) -> Result<TaskKind, Invalid> {
+    for f in present_fields(m) {
+        let allowed = TYPE_FIELDS
+            .iter()
+            .find(|(name, _)| *name == f)
+            .map(|(_, types)| types.contains(&t))
+            .unwrap_or(true);
+        if !allowed {
+            return Err(Invalid::new(f, format!("does not apply to type {t}")));
+        }
+    }
+    match t {
+        TaskType::Shell => {
+            let script = match (&m.script, &m.payload) {
+                (Some(_), Some(_)) => {
+                    return Err(Invalid::new(
+                        "payload",
+                        "give either `script` or `payload`, not both",
+                    ))
+                }
+                (Some(s), None) => (s.clone(), "script"),
+                (None, Some(p)) => (p.clone(), "payload"),
+                (None, None) => return Err(Invalid::new("script", "missing (or give `payload`)")),
+            };
+            if script.0.trim().is_empty() {
+                return Err(Invalid::new(script.1, "is empty"));
+            }
+            if script.0.contains('\0') {
+                return Err(Invalid::new(script.1, "contains a NUL byte"));
+            }
+            Ok(TaskKind::Shell { script: script.0 })
+        }
+        TaskType::Command => {
+            let program = m
+                .command
+                .clone()
+                .ok_or_else(|| Invalid::new("command", "missing (the program to run)"))?;
+            if program.is_empty() || program.contains('\0') {
+                return Err(Invalid::new("command", "must be a non-empty program name"));
+            }
+            let args = m.args.clone().unwrap_or_default();
+            if let Some(i) = args.iter().position(|a| a.contains('\0')) {
+                return Err(Invalid::new(format!("args[{i}]"), "contains a NUL byte"));
+            }
+            Ok(TaskKind::Command { program, args })
+        }
+        TaskType::Http => Ok(TaskKind::Http(build_http(m)?)),
+        TaskType::Container => Ok(TaskKind::Container(build_container(
+            m, vl, task_env, limits,
+        )?)),
+    }
+}
+
+fn build_http(m: &TaskMessage) -> Result<HttpSpec, Invalid> {
+    let (url, field) = match (&m.url, &m.payload) {
+        (Some(_), Some(_)) => {
+            return Err(Invalid::new(
+                "payload",
+                "give either `url` or `payload`, not both",
+            ))
+        }
+        (Some(u), None) => (u.trim().to_string(), "url"),
+        (None, Some(p)) => (p.trim().to_string(), "payload"),
+        (None, None) => return Err(Invalid::new("url", "missing (or give `payload`)")),
+    };
+    let parsed = reqwest::Url::parse(&url).map_err(|e| {
+        Invalid::new(
+            field,
+            format!("`{}` is not a URL: {e}", truncate_for_error(&url)),
+        )
+    })?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err(Invalid::new(field, "only http and https URLs are allowed"));
+    }
+    let method = m
+        .method
+        .clone()
+        .unwrap_or_else(|| "GET".into())
+        .to_ascii_uppercase();
+    if reqwest::Method::from_bytes(method.as_bytes()).is_err() {
+        return Err(Invalid::new(
+            "method",
+            format!("`{method}` is not an HTTP method"),
+        ));
+    }
+    let headers = m.headers.clone().unwrap_or_default();
+    for (k, v) in &headers {
+        if reqwest::header::HeaderName::from_bytes(k.as_bytes()).is_err() {
+            return Err(Invalid::new(
+                format!("headers.{k}"),
+                "not a valid header name",
+            ));
+        }
+        if reqwest::header::HeaderValue::from_str(v).is_err() {
+            return Err(Invalid::new(
+                format!("headers.{k}"),
+                "not a valid header value",
+            ));
+        }
+    }
+    let success = match &m.success {
+        None => (200, 299),
+        Some(SuccessValue::One(s)) => (*s, *s),
+        Some(SuccessValue::Range([a, b])) => (*a, *b),
+        Some(SuccessValue::Text(t)) => {
+            let (a, b) = t.split_once('-').unwrap_or((t, t));
+            let p = |s: &str| s.trim().parse::<u16>().ok();
+            match (p(a), p(b)) {
+                (Some(a), Some(b)) => (a, b),
+                _ => {
+                    return Err(Invalid::new(
+                        "success",
+                        format!("`{t}` is not a status range like \"200-299\""),
+                    ))
+                }
+            }
+        }
+    };
+    if !(100..=599).contains(&success.0)
+        || !(100..=599).contains(&success.1)
+        || success.0 > success.1
+    {
+        return Err(Invalid::new(
+            "success",
+            "must be a status range within 100-599, low to high",
+        ));
+    }
+    Ok(HttpSpec {
+        url,
+        method,
+        headers,
+        body: m.body.clone(),
+        success,
+    })
+}
+
+/// `docker run` options allowed in a container task's seed `payload`.
+const SAFE_DOCKER_OPTS: &str =
+    "-e/--env, -w/--workdir, -u/--user, --entrypoint, --network, --memory, --cpus";
+
+fn build_container(
+    m: &TaskMessage,
+    vl: &ValidationLimits,
+    task_env: &BTreeMap<String, String>,
+    limits: &Limits,
+) -> Result<ContainerSpec, Invalid> {
+    let image = m
+        .image
+        .clone()
+        .ok_or_else(|| Invalid::new("image", "missing (the image to run)"))?;
+    if image.is_empty()
+        || image.len() > 512
+        || image.chars().any(|c| c.is_whitespace() || c.is_control())
+    {
+        return Err(Invalid::new("image", "not a valid image reference"));
+    }
+    let mut spec = ContainerSpec {
+        image,
+        entrypoint: m.entrypoint.clone(),
+        args: m.args.clone(),
+        env: task_env.clone(),
+        workdir: m.workdir.clone(),
+        user: m.user.clone(),
+        network: m.network.clone(),
+        pull: m.pull.unwrap_or_default(),
+        memory: limits.memory,
+        cpus: limits.cpu,
+    };
+    if let Some(p) = &m.payload {
+        apply_docker_options(&mut spec, p)?;
+    }
+    if let Some(n) = &spec.network {
+        if !(n == "none" || n == "bridge" || vl.allowed_networks.iter().any(|a| a == n)) {
+            return Err(Invalid::new(
+                "network",
+                format!(
+                    "`{n}` is not allowed (none, bridge, or a network on the worker's allow list)"
+                ),
+            ));
+        }
+    }
+    if let Some(ep) = &spec.entrypoint {
+        if ep.is_empty() {
+            return Err(Invalid::new("entrypoint", "must not be empty"));
+        }
+    }
+    Ok(spec)
+}
+
+/// Parse the seed form's `docker run` options, accepting only the safe set.
+fn apply_docker_options(spec: &mut ContainerSpec, payload: &str) -> Result<(), Invalid> {
+    let words = shell_words::split(payload)
+        .map_err(|e| Invalid::new("payload", format!("cannot split options: {e}")))?;
+    let mut it = words.into_iter();
+    while let Some(word) = it.next() {
+        let (name, inline) = match word.split_once('=') {
+            Some((n, v)) if n.starts_with("--") => (n.to_string(), Some(v.to_string())),
+            _ => (word.clone(), None),
+        };
+        // Short options may carry their value glued on: -eK=V, -w/dir.
+        let (name, inline) = if !name.starts_with("--") && name.len() > 2 && name.starts_with('-') {
+            (name[..2].to_string(), Some(name[2..].to_string()))
+        } else {
+            (name, inline)
+        };
+        let canonical = match name.as_str() {
+            "-e" | "--env" => "--env",
+            "-w" | "--workdir" => "--workdir",
+            "-u" | "--user" => "--user",
+            "--entrypoint" | "--network" | "--memory" | "--cpus" => name.as_str(),
+            _ if name.starts_with('-') => {
+                return Err(Invalid::new(
+                    "payload",
+                    format!("docker option `{name}` is not allowed (allowed: {SAFE_DOCKER_OPTS})"),
+                ))
+            }
+            _ => {
+                return Err(Invalid::new(
+                    "payload",
+                    format!("unexpected word `{}`: payload holds docker run options only; the image goes in `image`, the command in `args`", truncate_for_error(&word)),
+                ))
+            }
+        }
+        .to_string();
+        let value = match inline {
+            Some(v) => v,
+            None => it
+                .next()
+                .ok_or_else(|| Invalid::new("payload", format!("option `{name}` needs a value")))?,
+        };
+        match canonical.as_str() {
+            "--env" => {
+                let (k, v) = value.split_once('=').ok_or_else(|| {
+                    Invalid::new("payload", format!("`{name} {value}`: expected K=V"))
+                })?;
+                check_env_pair(k, v, "payload --env")?;
+                spec.env.insert(k.to_string(), v.to_string());
+            }
+            "--workdir" => spec.workdir = Some(value),
+            "--user" => spec.user = Some(value),
+            "--entrypoint" => spec.entrypoint = Some(vec![value]),
+            "--network" => spec.network = Some(value),
+            "--memory" => {
+                let b = parse_size(&value).map_err(|e| Invalid::new("payload --memory", e))?;
+                if b < 1024 * 1024 {
+                    return Err(Invalid::new("payload --memory", "must be at least 1MiB"));
+                }
+                spec.memory = Some(b);
+            }
+            "--cpus" => {
+                let c: f64 = value
+                    .parse()
+                    .ok()
+                    .filter(|c: &f64| *c > 0.0 && *c <= 1024.0)
+                    .ok_or_else(|| {
+                        Invalid::new(
+                            "payload --cpus",
+                            format!("`{value}` is not a number of cores"),
+                        )
+                    })?;
+                spec.cpus = Some(c);
+            }
+            _ => unreachable!(),
+        }
+    }
+    Ok(())
+}
+
+/// Status of one attempt (DESIGN.md section 4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum Status {
+    Success,
+    Failed,
+    Timeout,
+    Cancelled,
+    Rejected,
+    Dead,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Success => "success",
+            Status::Failed => "failed",
+            Status::Timeout => "timeout",
+            Status::Cancelled => "cancelled",
+            Status::Rejected => "rejected",
+            Status::Dead => "dead",
+        }
+    }
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Status {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        serde_json::from_value(serde_json::Value::String(s.to_string()))
+            .map_err(|_| format!("unknown status `{s}`"))
+    }
+}
+
+/// The result message of one attempt (DESIGN.md section 4).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TaskResult {
+    pub id: String,
+    pub label: String,
+    #[serde(rename = "type")]
+    pub task_type: Option<TaskType>,
+    pub status: Status,
+    #[serde(rename = "final")]
+    pub is_final: bool,
+    pub attempt: u32,
+    pub max_attempts: u32,
+    pub exit_code: Option<i32>,
+    pub signal: Option<String>,
+    pub http_status: Option<u16>,
+    pub output: String,
+    pub output_truncated: bool,
+    pub output_bytes: u64,
+    pub error: Option<String>,
+    pub worker_id: String,
+    pub idempotency_key: Option<String>,
+    pub shard: Option<Shard>,
+    pub started_at: DateTime<Utc>,
+    pub finished_at: DateTime<Utc>,
+    pub duration_ms: u64,
+    pub retry_in_ms: Option<u64>,
+}
+
+/// Value of a worker's key in KV `workers` (DESIGN.md section 6).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Heartbeat {
+    pub id: String,
+    pub hostname: String,
+    pub pid: u32,
+    pub version: String,
+    pub labels: Vec<String>,
+    pub types: Vec<TaskType>,
+    pub slots: usize,
+    pub running: usize,
+    pub tasks: Vec<String>,
+    pub started_at: DateTime<Utc>,
+    pub seen_at: DateTime<Utc>,
+    pub counts: BTreeMap<String, u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env() -> Envelope<'static> {
+        Envelope {
+            label: "default",
+            msg_id: None,
+            stream_sequence: 7,
+            scheduler: None,
+            published: None,
+        }
+    }
+
+    fn parse(s: &str) -> Result<Task, Invalid> {
+        parse_task(s.as_bytes(), &env(), &ValidationLimits::default())
+    }
+
+    #[test]
+    fn smallest_task_parses() {
+        let t = parse(r#"{"type":"shell","payload":"echo hello"}"#).unwrap();
+        assert_eq!(t.id, "seq-7");
+        assert_eq!(t.idempotency_key, "seq-7");
+        assert_eq!(
+            t.kind,
+            TaskKind::Shell {
+                script: "echo hello".into()
+            }
+        );
+        assert_eq!(t.retry, RetryPolicy::default());
+    }
+
+    #[test]
+    fn header_id_is_used_and_json_wins() {
+        let e = Envelope {
+            msg_id: Some("from-header"),
+            ..env()
+        };
+        let v = ValidationLimits::default();
+        let t = parse_task(br#"{"type":"shell","script":"x"}"#, &e, &v).unwrap();
+        assert_eq!(t.id, "from-header");
+        let t = parse_task(br#"{"type":"shell","script":"x","id":"j"}"#, &e, &v).unwrap();
+        assert_eq!(t.id, "j");
+        let e = Envelope {
+            msg_id: Some("bad id!"),
+            ..env()
+        };
+        let t = parse_task(br#"{"type":"shell","script":"x"}"#, &e, &v).unwrap();
+        assert_eq!(t.id, "seq-7");
+    }
+
+    #[test]
+    fn unknown_field_is_named() {
+        let e = parse(r#"{"type":"shell","payload":"x","timout":"5s"}"#).unwrap_err();
+        assert_eq!(e.field, "timout");
+    }
+
+    #[test]
+    fn wrong_type_is_named() {
+        let e = parse(r#"{"type":"shell","payload":"x","timeout_seconds":"5"}"#).unwrap_err();
+        assert_eq!(e.field, "timeout_seconds");
+        let e =
+            parse(r#"{"type":"shell","payload":"x","retry":{"max_attempts":"x"}}"#).unwrap_err();
+        assert_eq!(e.field, "retry.max_attempts");
+        let e = parse(r#"{"type":"nope","payload":"x"}"#).unwrap_err();
+        assert_eq!(e.field, "type");
+    }
+
+    #[test]
+    fn non_object_and_garbage() {
+        assert_eq!(parse("[1,2]").unwrap_err().field, "(message)");
+        assert_eq!(parse("{not json").unwrap_err().field, "(message)");
+        let e = parse_task(&[0xff, 0xfe, 0], &env(), &ValidationLimits::default()).unwrap_err();
+        assert!(e.problem.contains("UTF-8"), "{e}");
+    }
+
+    #[test]
+    fn too_large() {
+        let big = format!(
+            r#"{{"type":"shell","payload":"{}"}}"#,
+            "x".repeat(300 * 1024)
+        );
+        assert!(parse(&big).unwrap_err().problem.contains("max_task_bytes"));
+    }
+
+    #[test]
+    fn shard_forms() {
+        let t = parse(r#"{"type":"shell","payload":"x","shard":{"no":1,"total":3}}"#).unwrap();
+        assert_eq!(t.shard, Some(Shard { no: 1, total: 3 }));
+        let t = parse(r#"{"type":"shell","payload":"x","shard_no":0,"shard_total":2}"#).unwrap();
+        assert_eq!(t.shard, Some(Shard { no: 0, total: 2 }));
+        assert_eq!(
+            parse(r#"{"type":"shell","payload":"x","shard":{"no":3,"total":3}}"#)
+                .unwrap_err()
+                .field,
+            "shard"
+        );
+        assert_eq!(
+            parse(r#"{"type":"shell","payload":"x","shard_no":1}"#)
+                .unwrap_err()
+                .field,
+            "shard_total"
+        );
+    }
+
+    #[test]
+    fn timeouts() {
+        let t = parse(r#"{"type":"shell","payload":"x","timeout":"90s"}"#).unwrap();
+        assert_eq!(t.timeout, Some(Duration::from_secs(90)));
+        let t = parse(r#"{"type":"shell","payload":"x","timeout_seconds":5}"#).unwrap();
+        assert_eq!(t.timeout, Some(Duration::from_secs(5)));
+        assert_eq!(
+            parse(r#"{"type":"shell","payload":"x","timeout":"soon"}"#)
+                .unwrap_err()
+                .field,
+            "timeout"
+        );
+        assert_eq!(
+            parse(r#"{"type":"shell","payload":"x","timeout_seconds":0}"#)
+                .unwrap_err()
+                .field,
+            "timeout_seconds"
+        );
+    }
+
+    #[test]
+    fn env_rules() {
+        assert_eq!(
+            parse(r#"{"type":"shell","payload":"x","env":{"ATTEMPT":"9"}}"#)
+                .unwrap_err()
+                .field,
+            "env.ATTEMPT"
+        );
+        assert_eq!(
+            parse(r#"{"type":"shell","payload":"x","env":{"1A":"9"}}"#)
+                .unwrap_err()
+                .field,
+            "env.1A"
+        );
+        assert_eq!(
+            parse(r#"{"type":"shell","payload":"x","env":{"A":1}}"#)
+                .unwrap_err()
+                .field,
+            "env.A"
+        );
+    }
+
+    #[test]
+    fn fields_of_other_types_are_refused() {
+        assert_eq!(
+            parse(r#"{"type":"shell","payload":"x","url":"http://a"}"#)
+                .unwrap_err()
+                .field,
+            "url"
+        );
+        assert_eq!(parse(r#"{"type":"command"}"#).unwrap_err().field, "command");
+    }
+
+    #[test]
+    fn invalid_id() {
+        assert_eq!(
+            parse(r#"{"type":"shell","payload":"x","id":"a b"}"#)
+                .unwrap_err()
+                .field,
+            "id"
+        );
+    }
+
+    #[test]
+    fn retry_backoff() {
+        let t = parse(r#"{"type":"shell","payload":"x","retry":{"max_attempts":5,"backoff":"2s","factor":3,"max_backoff":"10s"}}"#).unwrap();
+        assert_eq!(t.retry.delay_after(1), Duration::from_secs(2));
+        assert_eq!(t.retry.delay_after(2), Duration::from_secs(6));
+        assert_eq!(t.retry.delay_after(3), Duration::from_secs(10));
+        assert_eq!(
+            parse(r#"{"type":"shell","payload":"x","retry":{"max_attempts":0}}"#)
+                .unwrap_err()
+                .field,
+            "retry.max_attempts"
+        );
+    }
+
+    #[test]
+    fn container_payload_safe_subset() {
+        let t = parse(r#"{"type":"container","image":"busybox","payload":"-e A=1 --memory 64MiB -w /tmp --network none"}"#).unwrap();
+        let TaskKind::Container(c) = t.kind else {
+            panic!()
+        };
+        assert_eq!(c.env.get("A").map(String::as_str), Some("1"));
+        assert_eq!(c.memory, Some(64 * 1024 * 1024));
+        assert_eq!(c.workdir.as_deref(), Some("/tmp"));
+        for bad in [
+            "--privileged",
+            "-v /:/host",
+            "--pid=host",
+            "--cap-add ALL",
+            "busybox",
+        ] {
+            let s = format!(r#"{{"type":"container","image":"busybox","payload":"{bad}"}}"#);
+            let e = parse(&s).unwrap_err();
+            assert_eq!(e.field, "payload", "{bad}");
+        }
+        assert_eq!(
+            parse(r#"{"type":"container","image":"b","network":"host"}"#)
+                .unwrap_err()
+                .field,
+            "network"
+        );
+    }
+
+    #[test]
+    fn http_fields() {
+        let t =
+            parse(r#"{"type":"http","payload":"http://127.0.0.1/x","success":"200-204"}"#).unwrap();
+        let TaskKind::Http(h) = t.kind else { panic!() };
+        assert_eq!(h.success, (200, 204));
+        assert_eq!(h.method, "GET");
+        assert_eq!(
+            parse(r#"{"type":"http","url":"ftp://x"}"#)
+                .unwrap_err()
+                .field,
+            "url"
+        );
+    }
+
+    #[test]
+    fn cron_firing_gets_instance_id() {
+        let when = DateTime::parse_from_rfc3339("2026-01-02T03:04:05.7Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let e = Envelope {
+            scheduler: Some("schedules.nightly"),
+            published: Some(when),
+            ..env()
+        };
+        let t = parse_task(
+            br#"{"type":"shell","payload":"x"}"#,
+            &e,
+            &ValidationLimits::default(),
+        )
+        .unwrap();
+        assert_eq!(t.id, "nightly-20260102T030405Z");
+        assert_eq!(t.idempotency_key, t.id);
+    }
+
+    #[test]
+    fn names() {
+        let n = Names::default();
+        assert_eq!(n.label_of("tasks.gpu.x.y"), Some("gpu"));
+        assert_eq!(n.label_of("tasks.gpu"), Some("gpu"));
+        assert_eq!(n.label_of("schedules.x"), None);
+    }
+}
