@@ -1,0 +1,4 @@
+//! One integration-test binary (ripgrep style): every test starts its own
+//! nats-server (see `util`) and real workers.
+
+mod util;

@@ -1,0 +1,374 @@
+//! Test harness: a private nats-server per test (free port, temporary store,
+//! killed and removed on drop), workers in-process or as the built binary,
+//! and helpers that poll for conditions instead of sleeping.
+
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use bytes::Bytes;
+use jetworker::config::WorkerConfig;
+use jetworker::protocol::{Names, TaskResult};
+use tokio_util::sync::CancellationToken;
+
+/// The nats-server binary: `NATS_SERVER_BIN`, else `nats-server` on PATH.
+pub fn nats_server_bin() -> PathBuf {
+    std::env::var_os("NATS_SERVER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("nats-server"))
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A private nats-server with JetStream.
+pub struct NatsServer {
+    child: Option<Child>,
+    pub port: u16,
+    store: tempfile::TempDir,
+    extra: Vec<String>,
+}
+
+impl NatsServer {
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Start with extra config lines (e.g. `max_payload: 4MB`).
+    pub fn start_with(config_lines: &[&str]) -> Self {
+        let store = tempfile::tempdir().unwrap();
+        let mut s = NatsServer {
+            child: None,
+            port: free_port(),
+            store,
+            extra: config_lines.iter().map(|s| s.to_string()).collect(),
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let conf = self.store.path().join("server.conf");
+        let mut text = format!(
+            "listen: 127.0.0.1:{}\njetstream {{ store_dir: \"{}\" }}\n",
+            self.port,
+            self.store.path().join("js").display()
+        );
+        for l in &self.extra {
+            text.push_str(l);
+            text.push('\n');
+        }
+        std::fs::write(&conf, text).unwrap();
+        let child = Command::new(nats_server_bin())
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start nats-server ({}): {e}; set NATS_SERVER_BIN",
+                    nats_server_bin().display()
+                )
+            });
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "nats-server did not start on port {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Kill the server (SIGKILL), keeping its store.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Start again on the same port with the same store.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+    }
+
+    pub async fn client(&self) -> async_nats::Client {
+        async_nats::connect(self.url()).await.unwrap()
+    }
+
+    pub async fn js(&self) -> jetstream::Context {
+        jetstream::new(self.client().await)
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Poll `f` until it returns `Some`, or panic after `timeout` with `what`.
+pub async fn wait_for<T, F, Fut>(timeout: Duration, what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        if Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A worker running in this process; stopped (drained) on drop.
+pub struct InProcWorker {
+    pub token: CancellationToken,
+    pub handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    pub state: tempfile::TempDir,
+}
+
+/// A worker config for tests: short heartbeats and timeouts.
+pub fn test_config(url: &str, state: &Path) -> WorkerConfig {
+    let mut c = WorkerConfig::for_server(url, state);
+    c.slots = 4;
+    c.heartbeat = Duration::from_millis(500);
+    c.offline_after = Duration::from_secs(3);
+    c.kill_grace = Duration::from_secs(2);
+    c.drain_timeout = Duration::from_secs(10);
+    c.name = "test".into();
+    c
+}
+
+impl InProcWorker {
+    pub fn start(cfg_fn: impl FnOnce(&mut WorkerConfig), url: &str) -> Self {
+        let state = tempfile::tempdir().unwrap();
+        let mut cfg = test_config(url, state.path());
+        cfg_fn(&mut cfg);
+        let token = CancellationToken::new();
+        let handle = tokio::spawn(jetworker::worker::run(cfg, token.clone()));
+        InProcWorker {
+            token,
+            handle: Some(handle),
+            state,
+        }
+    }
+
+    /// Ask it to shut down and wait for it to return.
+    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        self.token.cancel();
+        self.handle.take().unwrap().await.unwrap()
+    }
+}
+
+impl Drop for InProcWorker {
+    fn drop(&mut self) {
+        self.token.cancel();
+        if let Some(h) = self.handle.take() {
+            h.abort();
+        }
+    }
+}
+
+/// A worker running as the built binary; SIGKILLed on drop.
+pub struct ProcWorker {
+    pub child: Child,
+    pub state: PathBuf,
+    _state_dir: Option<tempfile::TempDir>,
+}
+
+pub fn jetworker_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_jetworker")
+}
+
+impl ProcWorker {
+    /// Start `jetworker run` with test-friendly timings and `extra` flags.
+    pub fn start(url: &str, extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().to_path_buf();
+        let mut w = Self::start_in(url, &state, extra);
+        w._state_dir = Some(dir);
+        w
+    }
+
+    /// Start on a given state directory (to restart a worker on its state).
+    pub fn start_in(url: &str, state: &Path, extra: &[&str]) -> Self {
+        let child = Command::new(jetworker_bin())
+            .args(["run", "--server", url, "--state-dir"])
+            .arg(state)
+            .args([
+                "--heartbeat",
+                "500ms",
+                "--offline-after",
+                "3s",
+                "--kill-grace",
+                "2s",
+                "--name",
+                "proc",
+            ])
+            .args(extra)
+            .env(
+                "LOG_LEVEL",
+                std::env::var("TEST_LOG_LEVEL").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        ProcWorker {
+            child,
+            state: state.to_path_buf(),
+            _state_dir: None,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig);
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Wait for the process to exit; its exit code.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st.code();
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for ProcWorker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Publish a task (JSON text) to `tasks.<label>` and wait for the PubAck.
+pub async fn publish_task(js: &jetstream::Context, label: &str, json: &str) -> u64 {
+    publish_raw(
+        js,
+        &format!("tasks.{label}"),
+        Bytes::from(json.to_string()),
+        None,
+    )
+    .await
+}
+
+/// Publish bytes with an optional `Nats-Msg-Id`.
+pub async fn publish_raw(
+    js: &jetstream::Context,
+    subject: &str,
+    payload: Bytes,
+    msg_id: Option<&str>,
+) -> u64 {
+    let mut m = jetstream::message::PublishMessage::build().payload(payload);
+    if let Some(id) = msg_id {
+        m = m.message_id(id);
+    }
+    // The stream exists once a worker has started; retry until it does.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match js.send_publish(subject.to_string(), m.clone()).await {
+            Ok(ack) => match ack.await {
+                Ok(a) => return a.sequence,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                }
+                Err(e) => panic!("publish to {subject}: {e}"),
+            },
+            Err(e) => panic!("publish to {subject}: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The last result stored for `id`, if any.
+pub async fn last_result(js: &jetstream::Context, id: &str) -> Option<TaskResult> {
+    let stream = js.get_stream("RESULTS").await.ok()?;
+    let msg = stream
+        .direct_get_last_for_subject(Names::default().result_subject(id))
+        .await
+        .ok()?;
+    Some(serde_json::from_slice(&msg.payload).expect("result is valid JSON"))
+}
+
+/// Every result stored for `id`, oldest first.
+pub async fn all_results(js: &jetstream::Context, id: &str) -> Vec<TaskResult> {
+    let Ok(stream) = js.get_stream("RESULTS").await else {
+        return vec![];
+    };
+    let subject = Names::default().result_subject(id);
+    let mut out = Vec::new();
+    let mut seq = 0u64;
+    while let Ok(m) = stream
+        .direct_get_next_for_subject(subject.clone(), Some(seq + 1))
+        .await
+    {
+        seq = m.sequence;
+        out.push(serde_json::from_slice(&m.payload).unwrap());
+    }
+    out
+}
+
+/// Wait for the final result of `id`.
+pub async fn final_result(js: &jetstream::Context, id: &str, timeout: Duration) -> TaskResult {
+    wait_for(timeout, &format!("final result of {id}"), || async {
+        last_result(js, id).await.filter(|r| r.is_final)
+    })
+    .await
+}
+
+/// Number of messages left in the TASKS stream.
+pub async fn tasks_left(js: &jetstream::Context) -> u64 {
+    let mut s = js.get_stream("TASKS").await.unwrap();
+    s.info().await.unwrap().state.messages
+}
+
+/// Whether a process with this pid exists (and is not a zombie).
+pub fn pid_alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !s
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z'),
+        Err(_) => false,
+    }
+}
