@@ -2,4 +2,5 @@
 //! nats-server (see `util`) and real workers.
 
 mod core;
+mod faults;
 mod util;
