@@ -3,4 +3,5 @@
 
 mod core;
 mod faults;
+mod soak;
 mod util;
