@@ -4,14 +4,17 @@
 //! configuration or connection error).
 
 pub mod cancel;
+pub mod common;
 pub mod dead;
 pub mod logs;
+pub mod output;
 pub mod results;
 pub mod run;
 pub mod schedule;
 pub mod schema;
 pub mod setup;
 pub mod submit;
+pub mod taskflags;
 pub mod workers;
 
 use std::process::ExitCode;
