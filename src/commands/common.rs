@@ -21,6 +21,7 @@ use crate::protocol::{Names, TaskResult};
 use crate::setup::{ensure_all, SetupOptions};
 
 /// One connection for one command.
+#[derive(Clone)]
 pub struct Conn {
     pub client: async_nats::Client,
     pub js: jetstream::Context,

@@ -20,7 +20,7 @@ use async_nats::header::{
     NATS_SCHEDULE, NATS_SCHEDULE_TARGET, NATS_SCHEDULE_TIME_ZONE,
 };
 use async_nats::HeaderMap;
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SubsecRound, Utc};
 use clap::{ArgGroup, Args, Subcommand};
 use futures::TryStreamExt;
 use serde::Serialize;
@@ -135,6 +135,8 @@ impl Spec {
         match self {
             Spec::Cron { spec, tz } => {
                 let cron = parse_cron(spec).ok()?;
+                // croner keeps the sub-second part of the start time.
+                let now = now.trunc_subsecs(0);
                 match tz {
                     Some(z) => {
                         let z: chrono_tz::Tz = z.parse().ok()?;
@@ -152,7 +154,7 @@ impl Spec {
                 }
                 let elapsed = now - created;
                 let n = elapsed.num_milliseconds() / d.num_milliseconds() + 1;
-                Some(created + d * (n.max(1) as i32))
+                Some((created + d * (n.max(1) as i32)).trunc_subsecs(0))
             }
             Spec::At(t) => (*t > now).then_some(*t),
         }
