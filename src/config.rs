@@ -386,7 +386,10 @@ pub fn load_nats_context(
     }
     let path = dir.join("context").join(format!("{name}.json"));
     let text = std::fs::read_to_string(&path).map_err(|e| {
-        ConfigError::new("nats context", format!("cannot read {}: {e}", path.display()))
+        ConfigError::new(
+            "nats context",
+            format!("cannot read {}: {e}", path.display()),
+        )
     })?;
     #[derive(Deserialize)]
     struct Raw {

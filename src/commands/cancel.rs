@@ -32,7 +32,11 @@ pub struct CancelArgs {
 
 /// The worker running `id`, from the heartbeats (`tasks` lists them).
 async fn running_on(conn: &Conn, id: &str) -> Option<String> {
-    let store = conn.js.get_key_value(&conn.names.workers_bucket).await.ok()?;
+    let store = conn
+        .js
+        .get_key_value(&conn.names.workers_bucket)
+        .await
+        .ok()?;
     let all = super::workers::list(&store).await.ok()?;
     all.into_iter()
         .find(|hb| hb.tasks.iter().any(|t| t == id))

@@ -119,11 +119,7 @@ impl Conn {
     }
 
     /// Every result stored for `id` (one per attempt), oldest first.
-    pub async fn all_results(
-        &self,
-        results: &Stream,
-        id: &str,
-    ) -> anyhow::Result<Vec<TaskResult>> {
+    pub async fn all_results(&self, results: &Stream, id: &str) -> anyhow::Result<Vec<TaskResult>> {
         let subject = self.names.result_subject(id);
         let mut out = Vec::new();
         let mut seq = 0u64;

@@ -192,7 +192,11 @@ pub fn timestamp(t: DateTime<Utc>) -> String {
 
 /// The first non-empty line of `s`, cut to `max` characters (with `…`).
 pub fn first_line(s: &str, max: usize) -> String {
-    let l = s.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("");
+    let l = s
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("");
     truncate(l, max)
 }
 
@@ -241,7 +245,11 @@ mod tests {
     #[test]
     fn table_aligns_and_ignores_colour() {
         let mut t = Table::new(&["ID", "STATUS", "OUT"], false);
-        t.push(vec!["a".into(), status_text(Status::Success, true), "x".into()]);
+        t.push(vec![
+            "a".into(),
+            status_text(Status::Success, true),
+            "x".into(),
+        ]);
         t.push(vec!["long-id".into(), "failed".into(), "y y".into()]);
         let s = t.render();
         let lines: Vec<&str> = s.lines().collect();

@@ -258,14 +258,20 @@ fn write_attempt(o: &mut impl Write, r: &TaskResult, colour: bool) -> std::io::R
         kv(o, "error", e)?;
     }
     let trunc = if r.output_truncated {
-        format!(", truncated from {}", crate::protocol::format_size(r.output_bytes))
+        format!(
+            ", truncated from {}",
+            crate::protocol::format_size(r.output_bytes)
+        )
     } else {
         String::new()
     };
     kv(
         o,
         "output",
-        &format!("{}{trunc}", crate::protocol::format_size(r.output.len() as u64)),
+        &format!(
+            "{}{trunc}",
+            crate::protocol::format_size(r.output.len() as u64)
+        ),
     )?;
     for l in r.output.lines() {
         writeln!(o, "    {l}")?;

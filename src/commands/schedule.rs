@@ -16,9 +16,7 @@
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context as _};
-use async_nats::header::{
-    NATS_SCHEDULE, NATS_SCHEDULE_TARGET, NATS_SCHEDULE_TIME_ZONE,
-};
+use async_nats::header::{NATS_SCHEDULE, NATS_SCHEDULE_TARGET, NATS_SCHEDULE_TIME_ZONE};
 use async_nats::HeaderMap;
 use chrono::{DateTime, SubsecRound, Utc};
 use clap::{ArgGroup, Args, Subcommand};
@@ -41,7 +39,7 @@ pub struct ScheduleArgs {
 #[derive(Debug, Clone, Subcommand)]
 pub enum ScheduleCommand {
     /// Add (or replace) a schedule.
-    Add(AddArgs),
+    Add(Box<AddArgs>),
     /// List schedules with their next fire time.
     #[command(alias = "list")]
     Ls(LsArgs),
@@ -89,7 +87,7 @@ pub struct RmArgs {
 
 pub async fn run(ctx: &super::Ctx, args: ScheduleArgs) -> anyhow::Result<Exit> {
     match args.command {
-        ScheduleCommand::Add(a) => add(ctx, a).await,
+        ScheduleCommand::Add(a) => add(ctx, *a).await,
         ScheduleCommand::Ls(a) => ls(ctx, a).await,
         ScheduleCommand::Rm(a) => rm(ctx, a).await,
     }
@@ -99,7 +97,10 @@ pub async fn run(ctx: &super::Ctx, args: ScheduleArgs) -> anyhow::Result<Exit> {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Spec {
     /// 6-field cron (or an `@` name) and an optional IANA zone.
-    Cron { spec: String, tz: Option<String> },
+    Cron {
+        spec: String,
+        tz: Option<String>,
+    },
     Every(Duration),
     At(DateTime<Utc>),
 }
@@ -110,7 +111,10 @@ impl Spec {
         match self {
             Spec::Cron { spec, .. } => spec.clone(),
             Spec::Every(d) => format!("@every {}", go_duration(*d)),
-            Spec::At(t) => format!("@at {}", t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+            Spec::At(t) => format!(
+                "@at {}",
+                t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+            ),
         }
     }
 
@@ -186,7 +190,9 @@ pub fn parse_cron(spec: &str) -> anyhow::Result<croner::Cron> {
         .build()
         .parse(s)
         .map_err(|e| {
-            anyhow!("--cron: `{s}` is not a 6-field cron spec (sec min hour day month weekday): {e}")
+            anyhow!(
+                "--cron: `{s}` is not a 6-field cron spec (sec min hour day month weekday): {e}"
+            )
         })
 }
 
@@ -242,8 +248,9 @@ pub fn spec_from_args(a: &AddArgs) -> anyhow::Result<Spec> {
         return Ok(Spec::Every(d));
     }
     if let Some(t) = &a.at {
-        let t = DateTime::parse_from_rfc3339(t)
-            .map_err(|e| anyhow!("--at: `{t}` is not an RFC3339 time like 2026-01-02T03:04:05Z ({e})"))?;
+        let t = DateTime::parse_from_rfc3339(t).map_err(|e| {
+            anyhow!("--at: `{t}` is not an RFC3339 time like 2026-01-02T03:04:05Z ({e})")
+        })?;
         return Ok(Spec::At(t.with_timezone(&Utc)));
     }
     bail!("give one of --cron, --every or --at")
@@ -383,7 +390,10 @@ async fn ls(ctx: &super::Ctx, a: LsArgs) -> anyhow::Result<Exit> {
         output::line("no schedules")?;
         return Ok(Exit::Ok);
     }
-    let mut t = Table::new(&["NAME", "SPEC", "TZ", "NEXT", "TARGET", "TASK"], colour_enabled());
+    let mut t = Table::new(
+        &["NAME", "SPEC", "TZ", "NEXT", "TARGET", "TASK"],
+        colour_enabled(),
+    );
     for s in &all {
         t.push(vec![
             s.name.clone(),
@@ -457,7 +467,10 @@ mod tests {
         );
         let s = Spec::from_header("@every 30s", None).unwrap();
         let created = now - chrono::Duration::seconds(45);
-        assert_eq!(s.next_after(now, created), Some(now + chrono::Duration::seconds(15)));
+        assert_eq!(
+            s.next_after(now, created),
+            Some(now + chrono::Duration::seconds(15))
+        );
         let s = Spec::from_header("@at 2026-01-02T03:05:00Z", None).unwrap();
         assert_eq!(s.header(), "@at 2026-01-02T03:05:00Z");
     }

@@ -218,11 +218,7 @@ fn print_final(r: &TaskResult, json: bool, single: bool, colour: bool) -> anyhow
             o.write_all(b"\n")?;
         }
         if r.output_truncated {
-            writeln!(
-                o,
-                "[output truncated: {} bytes in all]",
-                r.output_bytes
-            )?;
+            writeln!(o, "[output truncated: {} bytes in all]", r.output_bytes)?;
         }
     }
     o.flush()?;

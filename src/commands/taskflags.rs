@@ -12,7 +12,7 @@ use std::io::{IsTerminal, Read as _};
 use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context as _};
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use clap::Args;
 
 use crate::protocol::{
@@ -65,7 +65,12 @@ pub struct TaskArgs {
     #[arg(long, help_heading = "HTTP tasks")]
     pub method: Option<String>,
     /// http: a request header "Name: value" (repeatable).
-    #[arg(long = "header", short = 'H', value_name = "NAME: VALUE", help_heading = "HTTP tasks")]
+    #[arg(
+        long = "header",
+        short = 'H',
+        value_name = "NAME: VALUE",
+        help_heading = "HTTP tasks"
+    )]
     pub headers: Vec<String>,
     /// http: the request body.
     #[arg(long, help_heading = "HTTP tasks")]
@@ -120,10 +125,7 @@ impl TaskArgs {
     /// Build the task message: the file (or stdin) first, then every flag
     /// on top of it.
     pub fn build(&self) -> anyhow::Result<TaskMessage> {
-        let mut m = match self.base()? {
-            Some(m) => m,
-            None => TaskMessage::default(),
-        };
+        let mut m: TaskMessage = self.base()?.unwrap_or_default();
         self.apply(&mut m)?;
         Ok(m)
     }
@@ -147,7 +149,9 @@ impl TaskArgs {
             }
             None => return Ok(None),
         };
-        parse_message(&text).map(Some).map_err(|e| anyhow!("{from}: {e}"))
+        parse_message(&text)
+            .map(Some)
+            .map_err(|e| anyhow!("{from}: {e}"))
     }
 
     fn apply(&self, m: &mut TaskMessage) -> anyhow::Result<()> {
@@ -351,7 +355,7 @@ pub fn validate_locally(
         msg_id,
         stream_sequence: 0,
         scheduler,
-        published: published.map(|t: DateTime<Utc>| t),
+        published,
     };
     let limits = ValidationLimits {
         allowed_networks: m.network.iter().cloned().collect(),
@@ -374,7 +378,7 @@ mod tests {
 
     fn args(v: &[&str]) -> TaskArgs {
         let mut all = vec!["x", "--type", "shell"];
-        if v.iter().any(|s| *s == "--type") {
+        if v.contains(&"--type") {
             all.truncate(1);
         }
         all.extend_from_slice(v);
@@ -402,9 +406,16 @@ mod tests {
 
     #[test]
     fn limits_and_validation() {
-        let m = args(&["--limit", "memory=64MiB", "--limit", "pids=10", "--", "true"])
-            .build()
-            .unwrap();
+        let m = args(&[
+            "--limit",
+            "memory=64MiB",
+            "--limit",
+            "pids=10",
+            "--",
+            "true",
+        ])
+        .build()
+        .unwrap();
         validate_locally("default", &m, Origin::Direct { msg_id: "x" }).unwrap();
         assert!(args(&["--limit", "disk=1"]).build().is_err());
         let m = args(&["--timeout", "soon", "--", "true"]).build().unwrap();

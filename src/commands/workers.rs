@@ -138,7 +138,15 @@ pub async fn run(ctx: &super::Ctx, args: WorkersArgs) -> anyhow::Result<Exit> {
                 } else {
                     "expired: no heartbeat"
                 };
-                print_event("offline", &e.key, Some(reason), None, time, args.json, colour)?;
+                print_event(
+                    "offline",
+                    &e.key,
+                    Some(reason),
+                    None,
+                    time,
+                    args.json,
+                    colour,
+                )?;
             }
         }
     }

@@ -1,4 +1,5 @@
 //! One integration-test binary (ripgrep style): every test starts its own
 //! nats-server (see `util`) and real workers.
 
+mod cli;
 mod util;
