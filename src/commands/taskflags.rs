@@ -330,6 +330,14 @@ fn apply_limit(l: &mut LimitsMessage, spec: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Remove `null` members of objects, recursively.
+fn strip_nulls(v: &mut serde_json::Value) {
+    if let serde_json::Value::Object(m) = v {
+        m.retain(|_, x| !x.is_null());
+        m.values_mut().for_each(strip_nulls);
+    }
+}
+
 /// Where a task will come from, for local validation.
 pub enum Origin<'a> {
     /// Published directly, under this id (the `Nats-Msg-Id`).
@@ -345,7 +353,11 @@ pub fn validate_locally(
     m: &TaskMessage,
     origin: Origin<'_>,
 ) -> anyhow::Result<(Vec<u8>, Task)> {
-    let bytes = serde_json::to_vec(m).context("cannot encode the task")?;
+    // Nested objects serialise their unset fields as null; leave them out
+    // so that the wire form is what a person would have typed.
+    let mut value = serde_json::to_value(m).context("cannot encode the task")?;
+    strip_nulls(&mut value);
+    let bytes = serde_json::to_vec(&value).context("cannot encode the task")?;
     let (msg_id, scheduler, published) = match origin {
         Origin::Direct { msg_id } => (Some(msg_id), None, None),
         Origin::Schedule { subject } => (None, Some(subject), Some(Utc::now())),
@@ -411,12 +423,18 @@ mod tests {
             "memory=64MiB",
             "--limit",
             "pids=10",
+            "--retries",
+            "1",
             "--",
             "true",
         ])
         .build()
         .unwrap();
-        validate_locally("default", &m, Origin::Direct { msg_id: "x" }).unwrap();
+        let (bytes, _) = validate_locally("default", &m, Origin::Direct { msg_id: "x" }).unwrap();
+        assert_eq!(
+            String::from_utf8(bytes).unwrap(),
+            r#"{"limits":{"memory":"64MiB","pids":10},"retry":{"max_attempts":2},"script":"true","type":"shell"}"#
+        );
         assert!(args(&["--limit", "disk=1"]).build().is_err());
         let m = args(&["--timeout", "soon", "--", "true"]).build().unwrap();
         let e = validate_locally("default", &m, Origin::Direct { msg_id: "x" }).unwrap_err();

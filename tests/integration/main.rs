@@ -2,4 +2,6 @@
 //! nats-server (see `util`) and real workers.
 
 mod cli;
+mod cli_worker;
+mod core;
 mod util;
