@@ -39,7 +39,7 @@ pub struct ScheduleArgs {
 #[derive(Debug, Clone, Subcommand)]
 pub enum ScheduleCommand {
     /// Add (or replace) a schedule.
-    Add(Box<AddArgs>),
+    Add(AddArgs),
     /// List schedules with their next fire time.
     #[command(alias = "list")]
     Ls(LsArgs),
@@ -66,7 +66,7 @@ pub struct AddArgs {
     #[arg(long, value_name = "ZONE")]
     pub tz: Option<String>,
     #[command(flatten)]
-    pub task: TaskArgs,
+    pub task: Box<TaskArgs>,
     /// Print the task JSON and headers, publish nothing.
     #[arg(long)]
     pub dry_run: bool,
@@ -87,7 +87,7 @@ pub struct RmArgs {
 
 pub async fn run(ctx: &super::Ctx, args: ScheduleArgs) -> anyhow::Result<Exit> {
     match args.command {
-        ScheduleCommand::Add(a) => add(ctx, *a).await,
+        ScheduleCommand::Add(a) => add(ctx, a).await,
         ScheduleCommand::Ls(a) => ls(ctx, a).await,
         ScheduleCommand::Rm(a) => rm(ctx, a).await,
     }

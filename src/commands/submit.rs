@@ -28,7 +28,7 @@ use crate::protocol::{parse_duration, Shard, Status, TaskResult};
 #[derive(Debug, Clone, Args)]
 pub struct SubmitArgs {
     #[command(flatten)]
-    pub task: TaskArgs,
+    pub task: Box<TaskArgs>,
     /// Fan out N tasks with shard {no, total}; ids <id>-<no>.
     #[arg(long, value_name = "N")]
     pub shards: Option<u32>,
