@@ -172,6 +172,11 @@ async fn process(sh: Arc<Shared>, msg: jetstream::Message, task: Task, attempt: 
     }
     let disposition = run_registered(&sh, &msg, &task, attempt, started, stop).await;
     sh.end_task(&task.id);
+    if sh.die_before_ack && disposition == Disposition::Ack {
+        warn!("JETWORKER_TEST_FAULT=die-before-ack: exiting before the ack");
+        // SAFETY: _exit ends the process at once, like a crash would.
+        unsafe { libc::_exit(86) };
+    }
     answer(&sh, &msg, disposition).await;
 }
 

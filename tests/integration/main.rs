@@ -4,4 +4,5 @@
 mod cli;
 mod cli_worker;
 mod core;
+mod faults;
 mod util;
