@@ -1,6 +1,8 @@
 //! One integration-test binary (ripgrep style): every test starts its own
 //! nats-server (see `util`) and real workers.
 
+mod cli;
+mod cli_worker;
 mod core;
 mod faults;
 mod soak;
