@@ -21,9 +21,10 @@ use super::common::{header, Conn};
 use super::Exit;
 use crate::protocol::{valid_id, Status, TaskResult};
 
+use crate::protocol::HEADER_FINAL;
 /// Header naming the stream of a live-output chunk (`stdout`, `stderr`,
 /// or `eof` on the last, empty message of an attempt).
-pub const HEADER_STREAM: &str = "Jetworker-Stream";
+pub use crate::protocol::HEADER_STREAM;
 
 #[derive(Debug, Clone, Args)]
 pub struct LogsArgs {
@@ -116,6 +117,8 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
                 let Some(m) = m else { break };
                 let stream = header(m.headers.as_ref(), HEADER_STREAM);
                 match stream.as_deref() {
+                    // A retry follows: keep following the next attempt.
+                    Some("eof") if header(m.headers.as_ref(), HEADER_FINAL).as_deref() == Some("false") => {}
                     Some("eof") => break,
                     Some("stderr") => {
                         let mut e = std::io::stderr().lock();
