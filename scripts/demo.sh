@@ -122,7 +122,6 @@ cleanup() {
     trap - EXIT INT TERM
     [ "$KEEP" = 1 ] && [ "$OK" = 1 ] && exit "$rc"
     for pid in "${SUBMIT_PIDS[@]}"; do # interrupted while waiting for results
-        pkill -TERM -P "$pid" 2>/dev/null || true
         kill -TERM "$pid" 2>/dev/null || true
     done
     if [ "${#WORKER_PIDS[@]}" -gt 0 ]; then
@@ -189,17 +188,13 @@ done
 RUN="$(date +%H%M%S)"
 NAMES=()
 EXPECT=()
-submit() { # submit NAME EXPECTED-STATUS SUBMIT-ARGS...
+submit() { # submit NAME EXPECTED-STATUS SUBMIT-ARGS...: in the background
     local name="$1" expect="$2"
     shift 2
     NAMES+=("$name")
     EXPECT+=("$expect")
-    (
-        set +e
-        timeout "$((WAIT_SECS + 10))" "$BIN" submit --server "$URL" --id "demo-$RUN-$name" \
-            --wait --wait-timeout "${WAIT_SECS}s" "$@" </dev/null >"$DIR/out/$name.txt" 2>&1
-        echo $? >"$DIR/out/$name.rc"
-    ) &
+    timeout "$((WAIT_SECS + 10))" "$BIN" submit --server "$URL" --id "demo-$RUN-$name" \
+        --wait --wait-timeout "${WAIT_SECS}s" "$@" </dev/null >"$DIR/out/$name.txt" 2>&1 &
     SUBMIT_PIDS+=($!)
 }
 
@@ -214,7 +209,12 @@ submit retry-then-succeed success --file "$EX/retry-then-succeed.json"
 submit shard-0-of-2 success --file "$EX/shard-0-of-2.json"
 submit shard-1-of-2 success --file "$EX/shard-1-of-2.json"
 submit timeout timeout --file "$EX/timeout.json"
-for pid in "${SUBMIT_PIDS[@]}"; do wait "$pid" || true; done
+for ((i = 0; i < ${#NAMES[@]}; i++)); do
+    rc=0
+    wait "${SUBMIT_PIDS[$i]}" || rc=$?
+    echo "$rc" >"$DIR/out/${NAMES[$i]}.rc"
+done
+SUBMIT_PIDS=()
 
 # --- results -----------------------------------------------------------------
 good=0
