@@ -14,6 +14,7 @@
 #   CARGO             cargo command                   (default cargo)
 #   NATS_SERVER_BIN   nats-server binary (default: scripts/install-nats-server.sh)
 #   FORCE=1           rebuild even if the images are up to date
+#   DOCKER_BUILDKIT   builder for the small Dockerfiles (default 0: classic)
 #
 # An image is up to date when its label org.jetworker.inputs equals the hash
 # of everything that goes into it (binaries, Dockerfile, this script), so a
@@ -159,8 +160,9 @@ import_and_build() { # import_and_build ROOTFS BASE DOCKERFILE IMAGE HASH
     tar --numeric-owner --owner=0 --group=0 -C "$rootfs" -cf - . \
         | docker import --message "jetworker offline rootfs $hash" - "$base" >/dev/null \
         || die "docker import of $base failed"
-    # Legacy builder: it uses the local base image and never pulls.
-    DOCKER_BUILDKIT=0 docker build --quiet --build-arg "BASE=$base" --label "$LABEL=$hash" \
+    # The classic builder (unless DOCKER_BUILDKIT says otherwise) uses the
+    # local base image as it is and never pulls.
+    DOCKER_BUILDKIT="${DOCKER_BUILDKIT:-0}" docker build --quiet --build-arg "BASE=$base" --label "$LABEL=$hash" \
         -t "$image" - <"$dockerfile" >"$TMP/build.log" 2>&1 \
         || { cat "$TMP/build.log" >&2; die "docker build of $image failed"; }
     new="$(docker image inspect -f '{{.Id}}' "$image")"
