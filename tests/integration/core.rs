@@ -589,3 +589,16 @@ async fn workers_starting_at_once_do_not_fail() {
         w.shutdown().await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_waiting_for_nats_exits_0() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut w = ProcWorker::start(&format!("nats://127.0.0.1:{port}"), &[]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    w.signal(Signal::SIGTERM);
+    assert_eq!(w.wait_exit(Duration::from_secs(5)).await, Some(0));
+}

@@ -3,6 +3,7 @@
 
 mod cli;
 mod cli_worker;
+mod compose;
 mod core;
 mod faults;
 mod soak;
