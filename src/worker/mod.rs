@@ -421,7 +421,7 @@ struct StartUp {
 async fn start_up(cfg: &WorkerConfig, id: &str, conn: Arc<ConnState>) -> anyhow::Result<StartUp> {
     let c2 = conn.clone();
     let client =
-        crate::connect::connect_worker(&cfg.connect, &id, Arc::new(move |e| c2.on_event(&e)))
+        crate::connect::connect_worker(&cfg.connect, id, Arc::new(move |e| c2.on_event(&e)))
             .await?;
     conn.connected.store(true, Ordering::SeqCst);
     crate::connect::check_server(&client)?;
