@@ -70,6 +70,7 @@ pub struct FileConfig {
     pub docker_host: Option<String>,
     pub deny_private_http: Option<bool>,
     pub on_lease_lost: Option<String>,
+    pub cgroups: Option<String>,
     pub names: Option<Names>,
 }
 
@@ -174,6 +175,8 @@ pub struct WorkerConfig {
     pub docker_host: Option<String>,
     pub deny_private_http: bool,
     pub on_lease_lost: LeaseLost,
+    /// Give shell/command tasks their own cgroup where the tree is writable.
+    pub cgroups: bool,
 }
 
 /// Log settings, resolved before anything else so that errors are logged.
@@ -483,6 +486,7 @@ fn unset_empty(run: &RunArgs) -> RunArgs {
         docker_host: f(&run.docker_host),
         deny_private_http: f(&run.deny_private_http),
         on_lease_lost: f(&run.on_lease_lost),
+        cgroups: f(&run.cgroups),
     }
 }
 
@@ -724,6 +728,16 @@ pub fn resolve_worker(
         })?,
         None => file.deny_private_http.unwrap_or(false),
     };
+    let cgroups = match pick(run.cgroups.clone(), file.cgroups).as_deref() {
+        None | Some("auto") => true,
+        Some("off") => false,
+        Some(o) => {
+            return Err(ConfigError::new(
+                "cgroups",
+                format!("`{o}` is not auto or off"),
+            ))
+        }
+    };
     Ok(WorkerConfig {
         connect,
         name,
@@ -749,6 +763,7 @@ pub fn resolve_worker(
         docker_host: pick(run.docker_host.clone(), file.docker_host),
         deny_private_http,
         on_lease_lost,
+        cgroups,
     })
 }
 

@@ -230,6 +230,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         &cfg.pass_env,
         task_user,
         &cfg.state_dir,
+        cfg.cgroups,
     )
     .context("state_dir: cannot prepare the working directories")?;
     let reaped = process.reap_orphans();
@@ -402,6 +403,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), client.flush()).await;
     sh.watchdog.lock().unwrap().take();
+    sh.runners.process.cleanup();
     info!(worker_id = %sh.id, "worker stopped");
     Ok(())
 }
