@@ -602,3 +602,47 @@ async fn sigterm_while_waiting_for_nats_exits_0() {
     w.signal(Signal::SIGTERM);
     assert_eq!(w.wait_exit(Duration::from_secs(5)).await, Some(0));
 }
+
+/// A fake NATS server that announces `version` and answers PINGs: enough
+/// for a client to connect and read the server info.
+async fn fake_old_server(version: &'static str) -> u16 {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let (r, mut w) = s.into_split();
+                let info = format!(
+                    "INFO {{\"server_id\":\"fake\",\"server_name\":\"fake\",\"version\":\"{version}\",\"go\":\"go1\",\"host\":\"127.0.0.1\",\"port\":{port},\"headers\":true,\"max_payload\":1048576,\"proto\":1,\"jetstream\":true}}\r\n"
+                );
+                let _ = w.write_all(info.as_bytes()).await;
+                let mut lines = BufReader::new(r).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if line.starts_with("PING") {
+                        let _ = w.write_all(b"PONG\r\n").await;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_server_is_refused() {
+    let port = fake_old_server("2.9.25").await;
+    let out = tokio::process::Command::new(jetworker_bin())
+        .args(["run", "--server", &format!("nats://127.0.0.1:{port}")])
+        .arg("--state-dir")
+        .arg(tempfile::tempdir().unwrap().path())
+        .env("LOG_LEVEL", "error")
+        .output();
+    let out = tokio::time::timeout(T, out).await.expect("exits").unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("2.9.25 is too old") && err.contains("2.11"),
+        "{err}"
+    );
+}
