@@ -646,3 +646,87 @@ async fn old_server_is_refused() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_worker_leases_no_more_than_its_slots() {
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|c| c.slots = 1, &srv.url());
+    let js = srv.js().await;
+    for i in 0..3 {
+        publish_task(
+            &js,
+            "default",
+            &format!(r#"{{"id":"slot{i}","type":"shell","payload":"sleep 1"}}"#),
+        )
+        .await;
+    }
+    let stream = js.get_stream("TASKS").await.unwrap();
+    let mut c: async_nats::jetstream::consumer::PullConsumer =
+        stream.get_consumer("label-default").await.unwrap();
+    // While the first runs, only it is leased; the others wait in the stream
+    // for any worker that is free.
+    let deadline = std::time::Instant::now() + T;
+    let info = loop {
+        let i = c.info().await.unwrap().clone();
+        if i.num_ack_pending >= 1 {
+            break i;
+        }
+        assert!(std::time::Instant::now() < deadline, "nothing leased");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(info.num_ack_pending, 1, "{info:?}");
+    assert_eq!(info.num_pending, 2, "{info:?}");
+    for _ in 0..5 {
+        let i = c.info().await.unwrap().clone();
+        assert!(i.num_ack_pending <= 1, "hoarding: {i:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for i in 0..3 {
+        final_result(&js, &format!("slot{i}"), T).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn labels_are_served_fairly() {
+    let srv = NatsServer::start();
+    let js = srv.js().await;
+    // Queue both labels first, then start one worker with one slot.
+    let setup = async_nats::jetstream::new(srv.client().await);
+    jetworker::setup::ensure_all(&setup, &Default::default(), &Default::default())
+        .await
+        .unwrap();
+    for i in 0..6 {
+        publish_task(
+            &js,
+            "a",
+            &format!(r#"{{"id":"a{i}","type":"shell","payload":"sleep 0.1"}}"#),
+        )
+        .await;
+        publish_task(
+            &js,
+            "b",
+            &format!(r#"{{"id":"b{i}","type":"shell","payload":"sleep 0.1"}}"#),
+        )
+        .await;
+    }
+    let _w = InProcWorker::start(
+        |c| {
+            c.slots = 1;
+            c.labels = vec!["a".into(), "b".into()];
+        },
+        &srv.url(),
+    );
+    let mut done = Vec::new();
+    for l in ["a", "b"] {
+        for i in 0..6 {
+            let r = final_result(&js, &format!("{l}{i}"), T).await;
+            done.push((r.started_at, l));
+        }
+    }
+    done.sort();
+    let first_half: Vec<&str> = done[..6].iter().map(|d| d.1).collect();
+    assert!(
+        first_half.contains(&"a") && first_half.contains(&"b"),
+        "one label starved the other: {first_half:?}"
+    );
+}
