@@ -1273,6 +1273,47 @@ pub struct TaskResult {
     pub retry_in_ms: Option<u64>,
 }
 
+impl TaskResult {
+    /// A final result with no outcome yet (no exit code, output or error),
+    /// finished now; callers fill in what they know.
+    #[allow(clippy::too_many_arguments)]
+    pub fn blank(
+        id: &str,
+        label: &str,
+        task_type: Option<TaskType>,
+        status: Status,
+        attempt: u32,
+        max_attempts: u32,
+        worker_id: &str,
+        started_at: DateTime<Utc>,
+    ) -> Self {
+        let finished_at = Utc::now();
+        TaskResult {
+            id: id.to_string(),
+            label: label.to_string(),
+            task_type,
+            status,
+            is_final: true,
+            attempt,
+            max_attempts,
+            exit_code: None,
+            signal: None,
+            http_status: None,
+            output: String::new(),
+            output_truncated: false,
+            output_bytes: 0,
+            error: None,
+            worker_id: worker_id.to_string(),
+            idempotency_key: None,
+            shard: None,
+            started_at,
+            finished_at,
+            duration_ms: (finished_at - started_at).num_milliseconds().max(0) as u64,
+            retry_in_ms: None,
+        }
+    }
+}
+
 /// Value of a worker's key in KV `workers` (DESIGN.md section 6).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Heartbeat {

@@ -93,30 +93,19 @@ fn base_result(
     status: Status,
     started: DateTime<Utc>,
 ) -> TaskResult {
-    let finished = Utc::now();
-    TaskResult {
-        id: task.id.clone(),
-        label: task.label.clone(),
-        task_type: Some(task.task_type()),
+    let mut r = TaskResult::blank(
+        &task.id,
+        &task.label,
+        Some(task.task_type()),
         status,
-        is_final: true,
         attempt,
-        max_attempts: task.retry.max_attempts,
-        exit_code: None,
-        signal: None,
-        http_status: None,
-        output: String::new(),
-        output_truncated: false,
-        output_bytes: 0,
-        error: None,
-        worker_id: sh.id.clone(),
-        idempotency_key: Some(task.idempotency_key.clone()),
-        shard: task.shard,
-        started_at: started,
-        finished_at: finished,
-        duration_ms: (finished - started).num_milliseconds().max(0) as u64,
-        retry_in_ms: None,
-    }
+        task.retry.max_attempts,
+        &sh.id,
+        started,
+    );
+    r.idempotency_key = Some(task.idempotency_key.clone());
+    r.shard = task.shard;
+    r
 }
 
 async fn process(sh: Arc<Shared>, msg: jetstream::Message, task: Task, attempt: u32) {
@@ -525,28 +514,16 @@ async fn reject(
                 .and_then(|t| t.as_str())
                 .and_then(|t| t.parse::<TaskType>().ok())
         });
-    let r = TaskResult {
-        id: id.clone(),
-        label: label.to_string(),
+    let mut r = TaskResult::blank(
+        &id,
+        label,
         task_type,
-        status: Status::Rejected,
-        is_final: true,
+        Status::Rejected,
         attempt,
-        max_attempts: DEFAULT_MAX_ATTEMPTS,
-        exit_code: None,
-        signal: None,
-        http_status: None,
-        output: String::new(),
-        output_truncated: false,
-        output_bytes: 0,
-        error: Some(format!("invalid task: {problem}")),
-        worker_id: sh.id.clone(),
-        idempotency_key: None,
-        shard: None,
-        started_at: now,
-        finished_at: now,
-        duration_ms: 0,
-        retry_in_ms: None,
-    };
+        DEFAULT_MAX_ATTEMPTS,
+        &sh.id,
+        now,
+    );
+    r.error = Some(format!("invalid task: {problem}"));
     dead_letter(sh, msg, label, &id, r).await;
 }
