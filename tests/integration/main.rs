@@ -1,4 +1,6 @@
 //! One integration-test binary (ripgrep style): every test starts its own
 //! nats-server (see `util`) and real workers.
 
+mod http;
+mod runner_ctx;
 mod util;
