@@ -65,7 +65,7 @@ pub struct GlobalArgs {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the worker daemon.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Submit a task (or N shards of one).
     Submit(crate::commands::submit::SubmitArgs),
     /// List recent results, follow new ones, or show one task's attempts.

@@ -147,6 +147,9 @@ pub struct WorkerConfig {
     /// Task types accepted; others are left for other workers... and
     /// rejected if they reach this one.
     pub types: Vec<TaskType>,
+    /// Whether `types` was set: then a type that cannot run here (container
+    /// without Docker) is still accepted and fails with a clear reason.
+    pub types_explicit: bool,
     /// Maximum tasks running at once.
     pub slots: usize,
     pub default_timeout: Duration,
@@ -397,6 +400,7 @@ pub fn resolve_worker(
         return Err(ConfigError::new("labels", "a label is listed twice"));
     }
 
+    let types_given = run.types.is_some() || file.types.is_some();
     let types = match run
         .types
         .as_deref()
@@ -582,6 +586,7 @@ pub fn resolve_worker(
         name,
         labels,
         types,
+        types_explicit: types_given,
         slots,
         default_timeout,
         kill_grace,

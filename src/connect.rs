@@ -98,6 +98,17 @@ pub async fn connect_worker(
         .connect(cfg.servers.clone())
         .await
         .with_context(|| format!("cannot connect to NATS at {}", cfg.servers.join(",")))?;
+    // With retry_on_initial_connect the client returns at once; the server's
+    // info (version, max_payload) is only there once connected.
+    let start = std::time::Instant::now();
+    let mut warned = false;
+    while client.connection_state() != async_nats::connection::State::Connected {
+        if !warned && start.elapsed() > Duration::from_secs(3) {
+            tracing::warn!(servers = %cfg.servers.join(","), "waiting for NATS");
+            warned = true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     Ok(client)
 }
 

@@ -2,6 +2,7 @@
 //! nats-server (see `util`) and real workers.
 
 mod container;
+mod core;
 mod http;
 mod runner_ctx;
 mod util;

@@ -226,9 +226,12 @@ impl ProcWorker {
                 "3s",
                 "--kill-grace",
                 "2s",
-                "--name",
-                "proc",
             ])
+            .args(if extra.contains(&"--name") {
+                &[][..]
+            } else {
+                &["--name", "proc"][..]
+            })
             .args(extra)
             .env(
                 "LOG_LEVEL",

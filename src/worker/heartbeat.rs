@@ -1,0 +1,73 @@
+//! Heartbeats (DESIGN.md section 6): the worker's JSON value is put in KV
+//! `workers` under its id every interval. The bucket's max age removes the
+//! key of a worker that stops beating, and its limit marker lets watchers
+//! see it go; a clean shutdown deletes the key (see [`super::run`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::Shared;
+use crate::protocol::Heartbeat;
+
+/// The current heartbeat value.
+pub fn value(sh: &Shared) -> Heartbeat {
+    let tasks = sh.running_ids();
+    Heartbeat {
+        id: sh.id.clone(),
+        hostname: sh.hostname.clone(),
+        pid: std::process::id(),
+        version: crate::VERSION.to_string(),
+        labels: sh.cfg.labels.clone(),
+        types: sh.types.clone(),
+        slots: sh.cfg.slots,
+        running: tasks.len(),
+        tasks,
+        started_at: sh.started_at,
+        seen_at: chrono::Utc::now(),
+        counts: sh.counts(),
+    }
+}
+
+/// Beat until `stop` fires.
+pub async fn beat(sh: Arc<Shared>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(sh.cfg.heartbeat);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let v = match serde_json::to_vec(&value(&sh)) {
+            Ok(v) => v,
+            Err(e) => {
+                warn!("cannot encode heartbeat: {e}");
+                continue;
+            }
+        };
+        let put = sh.infra.workers.put(&sh.id, v.into());
+        match tokio::time::timeout(Duration::from_secs(5), put).await {
+            Ok(Ok(_)) => {
+                if failing {
+                    debug!("heartbeats resumed");
+                }
+                failing = false;
+            }
+            Ok(Err(e)) => {
+                if !failing {
+                    warn!("heartbeat failed: {e}");
+                }
+                failing = true;
+            }
+            Err(_) => {
+                if !failing {
+                    warn!("heartbeat timed out");
+                }
+                failing = true;
+            }
+        }
+    }
+}

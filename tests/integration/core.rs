@@ -1,0 +1,492 @@
+//! The core worker (issue 2): pull, run, report, then ack; validation;
+//! environment; output cap; timeouts; retries; progress acks; sharing work
+//! between workers; heartbeats; graceful shutdown.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use futures::StreamExt;
+use jetworker::protocol::Status;
+use nix::sys::signal::Signal;
+
+use crate::util::*;
+
+const T: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hello_by_hand() {
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|_| {}, &srv.url());
+    let js = srv.js().await;
+    let seq = publish_task(&js, "default", r#"{"type":"shell","payload":"echo hello"}"#).await;
+    let r = final_result(&js, &format!("seq-{seq}"), T).await;
+    assert_eq!(r.status, Status::Success, "{r:?}");
+    assert_eq!(r.output, "hello\n");
+    assert_eq!(r.exit_code, Some(0));
+    assert_eq!(r.attempt, 1);
+    assert!(r.worker_id.starts_with("test-"));
+    // Acked: nothing left in the work queue.
+    wait_for(T, "queue to drain", || async {
+        (tasks_left(&js).await == 0).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn command_task_and_header_id() {
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|_| {}, &srv.url());
+    let js = srv.js().await;
+    publish_raw(
+        &js,
+        "tasks.default.sub",
+        r#"{"type":"command","command":"printf","args":["%s-%s","a b","c"]}"#.into(),
+        Some("from-header"),
+    )
+    .await;
+    let r = final_result(&js, "from-header", T).await;
+    assert_eq!(r.status, Status::Success, "{r:?}");
+    assert_eq!(r.output, "a b-c");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_validation_error_class_is_rejected_and_dead_lettered() {
+    let srv = NatsServer::start_with(&["max_payload: 4MB"]);
+    let _w = InProcWorker::start(|_| {}, &srv.url());
+    let js = srv.js().await;
+    let big = format!(
+        r#"{{"id":"big","type":"shell","payload":"{}"}}"#,
+        "x".repeat(2 * 1024 * 1024)
+    );
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("badjson", "{not json".into(), "not valid JSON"),
+        ("nonobject", "[1,2,3]".into(), "JSON object"),
+        (
+            "unknowntype",
+            r#"{"id":"unknowntype","type":"ftp","payload":"x"}"#.into(),
+            "type",
+        ),
+        (
+            "unknownfield",
+            r#"{"id":"unknownfield","type":"shell","payload":"x","timout":"5s"}"#.into(),
+            "timout",
+        ),
+        (
+            "wrongtype",
+            r#"{"id":"wrongtype","type":"shell","payload":"x","timeout_seconds":"5"}"#.into(),
+            "timeout_seconds",
+        ),
+        (
+            "shard",
+            r#"{"id":"shard","type":"shell","payload":"x","shard":{"no":5,"total":2}}"#.into(),
+            "shard",
+        ),
+        (
+            "badid",
+            r#"{"id":"bad id!","type":"shell","payload":"x"}"#.into(),
+            "id",
+        ),
+        (
+            "missing",
+            r#"{"id":"missing","type":"command"}"#.into(),
+            "command",
+        ),
+        (
+            "reserved",
+            r#"{"id":"reserved","type":"shell","payload":"x","env":{"ATTEMPT":"1"}}"#.into(),
+            "env.ATTEMPT",
+        ),
+        ("big", big, "max_task_bytes"),
+    ];
+    let mut seqs = HashMap::new();
+    for (name, body, _) in &cases {
+        let seq = publish_raw(
+            &js,
+            "tasks.default",
+            body.clone().into(),
+            Some(&format!("m-{name}")),
+        )
+        .await;
+        seqs.insert(*name, seq);
+    }
+    // Binary garbage too.
+    publish_raw(
+        &js,
+        "tasks.default",
+        vec![0xff, 0x00, 0xfe, 0x80].into(),
+        Some("m-garbage"),
+    )
+    .await;
+    for (name, _, needle) in &cases {
+        // JSON id where valid, else the Nats-Msg-Id header.
+        let id = match *name {
+            "badjson" | "nonobject" | "badid" => format!("m-{name}"),
+            n => n.to_string(),
+        };
+        let r = final_result(&js, &id, T).await;
+        assert_eq!(r.status, Status::Rejected, "{name}: {r:?}");
+        let err = r.error.clone().unwrap_or_default();
+        assert!(
+            err.contains(needle),
+            "{name}: error {err:?} should mention {needle:?}"
+        );
+        assert!(r.is_final);
+    }
+    let r = final_result(&js, "m-garbage", T).await;
+    assert_eq!(r.status, Status::Rejected);
+    // Originals in DEAD with the reason; queue empty; worker alive.
+    let want = cases.len() as u64 + 1;
+    let js2 = js.clone();
+    wait_for(T, "dead letters", || {
+        let js = js2.clone();
+        async move {
+            let mut dead = js.get_stream("DEAD").await.ok()?;
+            (dead.info().await.ok()?.state.messages == want).then_some(())
+        }
+    })
+    .await;
+    let dead = js.get_stream("DEAD").await.unwrap();
+    let m = dead
+        .direct_get_last_for_subject("dead.default.unknownfield")
+        .await
+        .unwrap();
+    assert_eq!(&m.payload[..], cases[3].1.as_bytes());
+    assert!(m
+        .headers
+        .get("Jetworker-Reason")
+        .unwrap()
+        .as_str()
+        .contains("timout"));
+    assert_eq!(tasks_left(&js).await, 0);
+    let seq = publish_task(
+        &js,
+        "default",
+        r#"{"id":"after","type":"shell","payload":"true"}"#,
+    )
+    .await;
+    assert!(seq > 0);
+    assert_eq!(final_result(&js, "after", T).await.status, Status::Success);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn environment_is_scrubbed_and_injected() {
+    std::env::set_var("JW_TEST_PASS", "passed");
+    std::env::set_var("JW_TEST_SECRET", "leaked");
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|c| c.pass_env = vec!["JW_TEST_PASS".into()], &srv.url());
+    let js = srv.js().await;
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"envt","type":"shell","idempotency_key":"k-1","shard":{"no":2,"total":5},
+            "env":{"MINE":"yes"},
+            "payload":"echo $IDEMPOTENCY_KEY $SHARD_NO $SHARD_TOTAL $SCHEDULE_INSTANCE_ID $ATTEMPT $MINE $JW_TEST_PASS ${JW_TEST_SECRET:-none}; pwd; echo $HOME"}"#,
+    )
+    .await;
+    let r = final_result(&js, "envt", T).await;
+    assert_eq!(r.status, Status::Success, "{r:?}");
+    let lines: Vec<&str> = r.output.lines().collect();
+    assert_eq!(lines[0], "k-1 2 5 envt 1 yes passed none");
+    assert_eq!(lines[1], lines[2], "HOME is the fresh working directory");
+    assert!(
+        !std::path::Path::new(lines[1]).exists(),
+        "working directory removed afterwards"
+    );
+    assert_eq!(r.idempotency_key.as_deref(), Some("k-1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_cap_with_100mb() {
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|c| c.output_cap = 64 * 1024, &srv.url());
+    let js = srv.js().await;
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"big-out","type":"shell","payload":"echo START; head -c 100000000 /dev/zero | tr '\\0' x; echo; echo END"}"#,
+    )
+    .await;
+    let r = final_result(&js, "big-out", Duration::from_secs(120)).await;
+    assert_eq!(r.status, Status::Success, "{:?}", r.error);
+    assert!(r.output_truncated);
+    assert_eq!(r.output_bytes, 100_000_000 + 6 + 1 + 4);
+    assert!(r.output.len() <= 64 * 1024 + 100, "{}", r.output.len());
+    assert!(r.output.starts_with("START\nxxx"));
+    assert!(r.output.ends_with("xxx\nEND\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeout_kills_the_whole_group() {
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|c| c.kill_grace = Duration::from_secs(1), &srv.url());
+    let js = srv.js().await;
+    let marker = format!("jw-orphan-{}", std::process::id());
+    publish_task(
+        &js,
+        "default",
+        &format!(
+            r#"{{"id":"to","type":"shell","timeout":"2s","retry":{{"max_attempts":1}},
+                "payload":"bash -c 'exec -a {marker} sleep 1000' & echo $! > pid; trap '' TERM; cat pid; sleep 1000"}}"#
+        ),
+    )
+    .await;
+    let r = final_result(&js, "to", T).await;
+    assert_eq!(r.status, Status::Timeout, "{r:?}");
+    assert!(r.error.unwrap().contains("timed out"));
+    assert!(
+        r.duration_ms < 4000,
+        "kill included in the timeout: {}",
+        r.duration_ms
+    );
+    let pid: i32 = r.output.trim().parse().unwrap();
+    wait_for(Duration::from_secs(5), "grandchild to die", || async {
+        (!pid_alive(pid)).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exit_code_and_signal_reported() {
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|_| {}, &srv.url());
+    let js = srv.js().await;
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"ex3","type":"shell","payload":"exit 3","retry":{"max_attempts":1}}"#,
+    )
+    .await;
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"sig","type":"shell","payload":"kill -KILL $$","retry":{"max_attempts":1}}"#,
+    )
+    .await;
+    let r = final_result(&js, "ex3", T).await;
+    assert_eq!((r.status, r.exit_code), (Status::Failed, Some(3)));
+    assert_eq!(r.error.as_deref(), Some("exit code 3"));
+    let r = final_result(&js, "sig", T).await;
+    assert_eq!(r.status, Status::Failed);
+    assert_eq!(r.signal.as_deref(), Some("SIGKILL"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_then_success() {
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|_| {}, &srv.url());
+    let js = srv.js().await;
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"flaky","type":"shell","retry":{"max_attempts":3,"backoff":"200ms"},
+            "payload":"echo try $ATTEMPT; [ $ATTEMPT -ge 2 ]"}"#,
+    )
+    .await;
+    let r = final_result(&js, "flaky", T).await;
+    assert_eq!(r.status, Status::Success);
+    assert_eq!(r.attempt, 2);
+    let all = all_results(&js, "flaky").await;
+    assert_eq!(all.len(), 2);
+    assert_eq!(all[0].status, Status::Failed);
+    assert!(!all[0].is_final);
+    assert_eq!(all[0].retry_in_ms, Some(200));
+    assert_eq!(all[0].output, "try 1\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_stop_after_max_attempts() {
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|_| {}, &srv.url());
+    let js = srv.js().await;
+    publish_task(&js, "default", r#"{"id":"never","type":"shell","retry":{"max_attempts":2,"backoff":"100ms"},"payload":"exit 1"}"#).await;
+    let r = final_result(&js, "never", T).await;
+    assert_eq!((r.status, r.attempt, r.is_final), (Status::Failed, 2, true));
+    wait_for(T, "queue to drain", || async {
+        (tasks_left(&js).await == 0).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_task_keeps_its_lease() {
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|c| c.ack_wait = Duration::from_secs(1), &srv.url());
+    let js = srv.js().await;
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"long","type":"shell","payload":"sleep 3.5; echo done"}"#,
+    )
+    .await;
+    let r = final_result(&js, "long", T).await;
+    assert_eq!(r.status, Status::Success);
+    // Give a redelivery the chance to show up, then check there was none.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let all = all_results(&js, "long").await;
+    assert_eq!(all.len(), 1, "ran more than once: {all:?}");
+    assert_eq!(all[0].attempt, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn labels_route_and_workers_share() {
+    let srv = NatsServer::start();
+    let url = srv.url();
+    let d: Vec<ProcWorker> = (0..3)
+        .map(|_| ProcWorker::start(&url, &["--labels", "default", "--slots", "2"]))
+        .collect();
+    let _g = ProcWorker::start(&url, &["--labels", "gpu", "--name", "gpu"]);
+    let js = srv.js().await;
+    // Wait for all four heartbeats.
+    let kv = wait_for(T, "workers bucket", || async {
+        js.get_key_value("workers").await.ok()
+    })
+    .await;
+    wait_for(T, "4 workers online", || async {
+        let keys: Vec<String> = kv
+            .keys()
+            .await
+            .ok()?
+            .filter_map(|k| async { k.ok() })
+            .collect()
+            .await;
+        (keys.len() == 4).then_some(())
+    })
+    .await;
+    for i in 0..30 {
+        publish_task(
+            &js,
+            "default",
+            &format!(r#"{{"id":"d{i}","type":"shell","payload":"sleep 0.2"}}"#),
+        )
+        .await;
+    }
+    for i in 0..5 {
+        publish_task(
+            &js,
+            "gpu",
+            &format!(r#"{{"id":"g{i}","type":"shell","payload":"true"}}"#),
+        )
+        .await;
+    }
+    let mut by_worker: HashMap<String, usize> = HashMap::new();
+    for i in 0..30 {
+        let r = final_result(&js, &format!("d{i}"), T).await;
+        assert!(r.worker_id.starts_with("proc-"), "{}", r.worker_id);
+        *by_worker.entry(r.worker_id).or_default() += 1;
+        assert_eq!(
+            all_results(&js, &format!("d{i}")).await.len(),
+            1,
+            "d{i} ran twice"
+        );
+    }
+    assert!(by_worker.len() >= 2, "work not shared: {by_worker:?}");
+    let mut gpu = HashSet::new();
+    for i in 0..5 {
+        gpu.insert(final_result(&js, &format!("g{i}"), T).await.worker_id);
+    }
+    assert_eq!(gpu.len(), 1);
+    assert!(gpu.iter().next().unwrap().starts_with("gpu-"));
+    drop(d);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeat_expires_after_sigkill() {
+    let srv = NatsServer::start();
+    let mut w = ProcWorker::start(&srv.url(), &[]);
+    let js = srv.js().await;
+    let kv = wait_for(T, "workers bucket", || async {
+        js.get_key_value("workers").await.ok()
+    })
+    .await;
+    let key = wait_for(T, "heartbeat", || async {
+        let keys: Vec<String> = kv
+            .keys()
+            .await
+            .ok()?
+            .filter_map(|k| async { k.ok() })
+            .collect()
+            .await;
+        keys.into_iter().next()
+    })
+    .await;
+    let hb: jetworker::protocol::Heartbeat =
+        serde_json::from_slice(&kv.get(&key).await.unwrap().unwrap()).unwrap();
+    assert_eq!(hb.id, key);
+    assert_eq!(hb.pid as i32, w.pid());
+    assert_eq!(hb.labels, vec!["default"]);
+    let mut watch = kv.watch_all().await.unwrap();
+    w.kill();
+    let t0 = std::time::Instant::now();
+    let op = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            let e = watch.next().await.unwrap().unwrap();
+            if e.key == key && e.operation != async_nats::jetstream::kv::Operation::Put {
+                return e.operation;
+            }
+        }
+    })
+    .await
+    .expect("watcher saw the expiry");
+    assert_eq!(op, async_nats::jetstream::kv::Operation::Purge);
+    assert!(
+        t0.elapsed() < Duration::from_secs(8),
+        "offline TTL is 3s: {:?}",
+        t0.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_running_tasks() {
+    let srv = NatsServer::start();
+    let mut w = ProcWorker::start(&srv.url(), &["--slots", "2", "--drain-timeout", "20s"]);
+    let js = srv.js().await;
+    let kv = wait_for(T, "workers bucket", || async {
+        js.get_key_value("workers").await.ok()
+    })
+    .await;
+    for i in 0..2 {
+        publish_task(
+            &js,
+            "default",
+            &format!(r#"{{"id":"drain{i}","type":"shell","payload":"sleep 2; echo ok"}}"#),
+        )
+        .await;
+    }
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"queued","type":"shell","payload":"echo later"}"#,
+    )
+    .await;
+    // Both running (heartbeat lists them), then SIGTERM.
+    wait_for(T, "2 tasks running", || async {
+        let keys: Vec<String> = kv
+            .keys()
+            .await
+            .ok()?
+            .filter_map(|k| async { k.ok() })
+            .collect()
+            .await;
+        let v = kv.get(keys.first()?).await.ok()??;
+        let hb: jetworker::protocol::Heartbeat = serde_json::from_slice(&v).ok()?;
+        (hb.running == 2).then_some(())
+    })
+    .await;
+    w.signal(Signal::SIGTERM);
+    assert_eq!(w.wait_exit(T).await, Some(0));
+    for i in 0..2 {
+        let r = final_result(&js, &format!("drain{i}"), T).await;
+        assert_eq!(r.status, Status::Success);
+    }
+    // The queued task was not started and is still there for others.
+    assert!(last_result(&js, "queued").await.is_none());
+    assert_eq!(tasks_left(&js).await, 1);
+    let keys: Vec<String> = kv
+        .keys()
+        .await
+        .unwrap()
+        .filter_map(|k| async { k.ok() })
+        .collect()
+        .await;
+    assert!(keys.is_empty(), "heartbeat key removed: {keys:?}");
+}
