@@ -517,3 +517,75 @@ async fn container_leftovers_of_dead_workers_are_removed() {
         .unwrap();
     assert!(ours.is_empty());
 }
+
+/// Through the whole worker: the result carries output and exit code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn container_task_through_the_worker() {
+    use crate::util::{final_result, publish_task, InProcWorker, NatsServer};
+    let Some(_docker) = setup().await else { return };
+    let nats = NatsServer::start();
+    let _w = InProcWorker::start(|_| {}, &nats.url());
+    let js = nats.js().await;
+    let id = unique("via-worker");
+    publish_task(
+        &js,
+        "default",
+        &format!(
+            r#"{{"id":"{id}","type":"container","image":"{TEST_IMAGE}","pull":"never",
+                "args":["sh","-c","echo attempt $ATTEMPT of $SCHEDULE_INSTANCE_ID"]}}"#
+        ),
+    )
+    .await;
+    let r = final_result(&js, &id, Duration::from_secs(60)).await;
+    assert_eq!(r.status, Status::Success, "{r:?}");
+    assert_eq!(r.exit_code, Some(0));
+    assert_eq!(r.output, format!("attempt 1 of {id}\n"));
+}
+
+/// The real thing: a worker process SIGKILLed mid-task leaves its
+/// container running; the next worker to start on this host removes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn container_of_a_sigkilled_worker_is_removed_at_restart() {
+    use crate::util::{publish_task, NatsServer, ProcWorker};
+    let Some(docker) = setup().await else { return };
+    let nats = NatsServer::start();
+    let name = unique("killed");
+    let mut first = ProcWorker::start(&nats.url(), &["--name", &name]);
+    let js = nats.js().await;
+    let id = unique("orphan");
+    publish_task(
+        &js,
+        "default",
+        &format!(
+            r#"{{"id":"{id}","type":"container","image":"{TEST_IMAGE}","pull":"never","args":["sleep","600"]}}"#
+        ),
+    )
+    .await;
+    let container = wait_for(Duration::from_secs(60), "the task's container", || {
+        let docker = docker.clone();
+        let id = id.clone();
+        async move { containers_of(&docker, &id).await.into_iter().next() }
+    })
+    .await;
+    first.kill();
+    // The engine keeps it: nothing in-process can remove it now.
+    assert!(exists(&docker, &container).await);
+
+    // Another label, so that the redelivered task is not picked up again.
+    let second = ProcWorker::start_in(
+        &nats.url(),
+        &first.state,
+        &["--name", &name, "--labels", "elsewhere"],
+    );
+    wait_for(
+        Duration::from_secs(30),
+        "the leftover to be removed",
+        || {
+            let docker = docker.clone();
+            let container = container.clone();
+            async move { (!exists(&docker, &container).await).then_some(()) }
+        },
+    )
+    .await;
+    second.signal(nix::sys::signal::Signal::SIGTERM);
+}

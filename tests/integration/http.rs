@@ -432,3 +432,38 @@ async fn http_ssrf_guard_refuses_loopback_literal_and_name() {
     let out = open.run(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Success, "{out:?}");
 }
+
+/// Through the whole worker: a 500 is a failed, non-final attempt; the
+/// retry gets the 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_500_then_success_on_retry() {
+    use crate::util::{all_results, final_result, publish_task, InProcWorker, NatsServer};
+    let web = serve().await;
+    let nats = NatsServer::start();
+    let _w = InProcWorker::start(|_| {}, &nats.url());
+    let js = nats.js().await;
+    publish_task(
+        &js,
+        "default",
+        &format!(
+            r#"{{"id":"http-flaky","type":"http","url":"{}/flaky","retry":{{"max_attempts":3,"backoff":"200ms"}}}}"#,
+            web.base
+        ),
+    )
+    .await;
+    let r = final_result(&js, "http-flaky", Duration::from_secs(30)).await;
+    assert_eq!(r.status, Status::Success, "{r:?}");
+    assert_eq!((r.attempt, r.http_status), (2, Some(200)));
+    assert_eq!(r.output, "second time lucky");
+    let all = all_results(&js, "http-flaky").await;
+    assert_eq!(all.len(), 2, "{all:?}");
+    assert_eq!(all[0].status, Status::Failed);
+    assert!(!all[0].is_final);
+    assert_eq!(all[0].http_status, Some(500));
+    assert_eq!(
+        all[0].error.as_deref(),
+        Some("HTTP 500 Internal Server Error")
+    );
+    assert_eq!(all[0].output, "try again");
+    assert_eq!(web.seen.flaky.load(Ordering::SeqCst), 2);
+}
