@@ -8,7 +8,13 @@ use clap::{Args, Parser, Subcommand};
 
 /// jetworker: a task worker for NATS JetStream, and its operator tools.
 #[derive(Debug, Parser)]
-#[command(name = "jetworker", version, about, propagate_version = true)]
+#[command(
+    name = "jetworker",
+    version,
+    about,
+    propagate_version = true,
+    args_override_self = true
+)]
 pub struct Cli {
     #[command(flatten)]
     pub global: GlobalArgs,

@@ -246,12 +246,26 @@ pub fn resolve_connect(
     global: &GlobalArgs,
     file: &FileConfig,
 ) -> Result<ConnectConfig, ConfigError> {
+    // With no server from flags, NATS_URL or the file, the `nats` CLI's
+    // selected context (if any) names the server and fills in its auth.
+    let context = match (&global.server, &file.server) {
+        (None, None) => match nats_context_dir() {
+            Some(dir) => {
+                let selected = std::env::var("NATS_CONTEXT").ok().filter(|s| !s.is_empty());
+                load_nats_context(&dir, selected.as_deref())?
+            }
+            None => None,
+        },
+        _ => None,
+    }
+    .unwrap_or_default();
     let servers = match &global.server {
         Some(s) => split_list(s),
         None => file
             .server
             .clone()
             .map(StringOrList::into_vec)
+            .or_else(|| context.url.as_deref().map(split_list))
             .unwrap_or_else(|| vec!["nats://127.0.0.1:4222".into()]),
     };
     if servers.is_empty() {
@@ -272,14 +286,14 @@ pub fn resolve_connect(
     }
     let c = ConnectConfig {
         servers,
-        creds: pick(global.creds.clone(), file.creds.clone()),
-        nkey: pick(global.nkey.clone(), file.nkey.clone()),
-        token: pick(global.token.clone(), file.token.clone()),
-        user: pick(global.user.clone(), file.user.clone()),
-        password: pick(global.password.clone(), file.password.clone()),
-        tls_ca: pick(global.tls_ca.clone(), file.tls_ca.clone()),
-        tls_cert: pick(global.tls_cert.clone(), file.tls_cert.clone()),
-        tls_key: pick(global.tls_key.clone(), file.tls_key.clone()),
+        creds: pick(global.creds.clone(), file.creds.clone()).or(context.creds),
+        nkey: pick(global.nkey.clone(), file.nkey.clone()).or(context.nkey),
+        token: pick(global.token.clone(), file.token.clone()).or(context.token),
+        user: pick(global.user.clone(), file.user.clone()).or(context.user),
+        password: pick(global.password.clone(), file.password.clone()).or(context.password),
+        tls_ca: pick(global.tls_ca.clone(), file.tls_ca.clone()).or(context.ca),
+        tls_cert: pick(global.tls_cert.clone(), file.tls_cert.clone()).or(context.cert),
+        tls_key: pick(global.tls_key.clone(), file.tls_key.clone()).or(context.key),
         names: file.names.clone().unwrap_or_default(),
     };
     if c.tls_cert.is_some() != c.tls_key.is_some() {
@@ -327,6 +341,103 @@ pub fn resolve_connect(
         }
     }
     Ok(c)
+}
+
+/// The connection part of a `nats` CLI context
+/// (`~/.config/nats/context/<name>.json`); empty strings count as unset.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct NatsContext {
+    pub url: Option<String>,
+    pub token: Option<String>,
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub creds: Option<PathBuf>,
+    pub nkey: Option<PathBuf>,
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+/// `$XDG_CONFIG_HOME/nats`, else `~/.config/nats` (where the `nats` CLI
+/// keeps its contexts on every platform).
+pub fn nats_context_dir() -> Option<PathBuf> {
+    match std::env::var_os("XDG_CONFIG_HOME").filter(|v| !v.is_empty()) {
+        Some(x) => Some(PathBuf::from(x).join("nats")),
+        None => dirs::home_dir().map(|h| h.join(".config").join("nats")),
+    }
+}
+
+/// The context named by `selected` (`NATS_CONTEXT`), else by
+/// `<dir>/context.txt`; `None` when no context is selected. A selected
+/// context that cannot be read is an error naming the file.
+pub fn load_nats_context(
+    dir: &Path,
+    selected: Option<&str>,
+) -> Result<Option<NatsContext>, ConfigError> {
+    let name = match selected {
+        Some(n) => n.to_string(),
+        None => match std::fs::read_to_string(dir.join("context.txt")) {
+            Ok(n) if !n.trim().is_empty() => n.trim().to_string(),
+            _ => return Ok(None),
+        },
+    };
+    if name.contains('/') || name.contains("..") {
+        return Err(ConfigError::new(
+            "nats context",
+            format!("`{name}` is not a context name"),
+        ));
+    }
+    let path = dir.join("context").join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        ConfigError::new(
+            "nats context",
+            format!("cannot read {}: {e}", path.display()),
+        )
+    })?;
+    #[derive(Deserialize)]
+    struct Raw {
+        #[serde(default)]
+        url: String,
+        #[serde(default)]
+        token: String,
+        #[serde(default)]
+        user: String,
+        #[serde(default)]
+        password: String,
+        #[serde(default)]
+        creds: String,
+        #[serde(default)]
+        nkey: String,
+        #[serde(default)]
+        ca: String,
+        #[serde(default)]
+        cert: String,
+        #[serde(default)]
+        key: String,
+    }
+    let raw: Raw = serde_json::from_str(&text)
+        .map_err(|e| ConfigError::new("nats context", format!("{}: {e}", path.display())))?;
+    let text_of = |s: String| Some(s).filter(|s| !s.is_empty());
+    let path_of = |s: String| text_of(s).map(|s| expand_home(&s));
+    Ok(Some(NatsContext {
+        url: text_of(raw.url),
+        token: text_of(raw.token),
+        user: text_of(raw.user),
+        password: text_of(raw.password),
+        creds: path_of(raw.creds),
+        nkey: path_of(raw.nkey),
+        ca: path_of(raw.ca),
+        cert: path_of(raw.cert),
+        key: path_of(raw.key),
+    }))
+}
+
+/// `~/x` → `$HOME/x` (contexts written by hand often use it).
+fn expand_home(p: &str) -> PathBuf {
+    match (p.strip_prefix("~/"), dirs::home_dir()) {
+        (Some(rest), Some(h)) => h.join(rest),
+        _ => PathBuf::from(p),
+    }
 }
 
 /// Number of CPUs, the default for `slots`.
@@ -712,6 +823,26 @@ mod tests {
     #[test]
     fn unknown_file_key_is_refused() {
         assert!(toml::from_str::<FileConfig>("slotz = 3").is_err());
+    }
+
+    #[test]
+    fn nats_context_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(load_nats_context(dir.path(), None).unwrap(), None);
+        std::fs::create_dir(dir.path().join("context")).unwrap();
+        std::fs::write(dir.path().join("context.txt"), "prod\n").unwrap();
+        std::fs::write(
+            dir.path().join("context/prod.json"),
+            r#"{"description":"x","url":"nats://a:4222,nats://b:4222","token":"t","user":"","creds":"/c.creds","nsc":""}"#,
+        )
+        .unwrap();
+        let c = load_nats_context(dir.path(), None).unwrap().unwrap();
+        assert_eq!(c.url.as_deref(), Some("nats://a:4222,nats://b:4222"));
+        assert_eq!(c.token.as_deref(), Some("t"));
+        assert_eq!(c.user, None);
+        assert_eq!(c.creds, Some(PathBuf::from("/c.creds")));
+        // NATS_CONTEXT (here: the argument) picks another; a missing one is an error.
+        assert!(load_nats_context(dir.path(), Some("dev")).is_err());
     }
 
     #[test]

@@ -4,6 +4,8 @@
 
 use bytes::Bytes;
 
+use crate::protocol::{HEADER_FINAL, HEADER_STREAM};
+
 /// Which stream a chunk came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamKind {
@@ -204,17 +206,19 @@ impl LiveOutput {
     /// Publish one chunk with a `Jetworker-Stream` header.
     pub async fn send(&self, kind: StreamKind, data: Bytes) {
         let mut h = async_nats::HeaderMap::new();
-        h.insert("Jetworker-Stream", kind.as_str());
+        h.insert(HEADER_STREAM, kind.as_str());
         let _ = self
             .client
             .publish_with_headers(self.subject.clone(), h, data)
             .await;
     }
 
-    /// Tell followers the output is complete.
-    pub async fn end(&self) {
+    /// Tell followers this attempt's output is complete, and whether its
+    /// result is final (no retry follows).
+    pub async fn end(&self, is_final: bool) {
         let mut h = async_nats::HeaderMap::new();
-        h.insert("Jetworker-Stream", "eof");
+        h.insert(HEADER_STREAM, "eof");
+        h.insert(HEADER_FINAL, if is_final { "true" } else { "false" });
         let _ = self
             .client
             .publish_with_headers(self.subject.clone(), h, Bytes::new())

@@ -6,8 +6,12 @@
 //!
 //! For the case where the worker itself is SIGKILLed, the direct child dies
 //! through the parent-death signal; its background descendants stay in the
-//! group, whose id is recorded in `state_dir/pgroups/`. A worker starting on
-//! the same state directory kills the groups left there ([`reap_orphans`]).
+//! group, whose id is recorded in `state_dir/pgroups/`. Two things kill
+//! those: a watchdog started once per worker ([`spawn_watchdog`], a tiny
+//! `sh` blocked on a pipe that only the worker holds — when the worker dies
+//! the pipe closes and the watchdog kills the groups it recorded), and, as
+//! a fallback, a worker starting on the same state directory
+//! ([`GroupRecords::reap_orphans`]). Spawning a task costs nothing extra.
 
 use std::path::{Path, PathBuf};
 
@@ -206,6 +210,43 @@ impl GroupRecords {
         }
         n
     }
+}
+
+/// The watchdog script: wait for EOF on stdin (the worker is gone), then
+/// SIGKILL every process group recorded for that worker.
+const WATCHDOG: &str = r#"cat >/dev/null
+cd "$1" 2>/dev/null || exit 0
+for f in *; do
+  [ -f "$f" ] || continue
+  read -r owner _ < "$f" || continue
+  [ "$owner" = "$2" ] || continue
+  kill -9 "-$f" 2>/dev/null
+  rm -f -- "$f"
+done"#;
+
+/// Start the watchdog for this worker; keep the returned pipe end open for
+/// the worker's whole life (dropping it fires the watchdog).
+pub fn spawn_watchdog(state_dir: &Path) -> std::io::Result<std::process::ChildStdin> {
+    use std::os::unix::process::CommandExt;
+    let dir = state_dir.join("pgroups");
+    let mut child = std::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(WATCHDOG)
+        .arg("jetworker-watchdog")
+        .arg(&dir)
+        .arg(std::process::id().to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        // Its own group: a Ctrl-C meant for the worker must not kill it.
+        .process_group(0)
+        .spawn()?;
+    let stdin = child.stdin.take().expect("piped stdin");
+    // Reap it when it exits, so it does not linger as a zombie.
+    std::thread::spawn(move || {
+        let _ = child.wait();
+    });
+    Ok(stdin)
 }
 
 /// Name of a signal number (`SIGKILL`).

@@ -23,6 +23,12 @@ pub const HEADER_LABEL: &str = "Jetworker-Label";
 pub const HEADER_REASON: &str = "Jetworker-Reason";
 /// Header carrying the id of the task a dead letter belongs to.
 pub const HEADER_TASK_ID: &str = "Jetworker-Task-Id";
+/// Header of a live-output chunk on `logs.<id>`: `stdout`, `stderr`, or
+/// `eof` on the empty message that ends an attempt's output.
+pub const HEADER_STREAM: &str = "Jetworker-Stream";
+/// Header of the `eof` message: `true` when that attempt's result is final
+/// (no retry follows), so followers know whether to keep listening.
+pub const HEADER_FINAL: &str = "Jetworker-Final";
 /// Header set by the server on a copy fired by a message schedule.
 pub const HEADER_SCHEDULER: &str = "Nats-Scheduler";
 
@@ -203,12 +209,16 @@ pub struct Shard {
 #[serde(deny_unknown_fields)]
 pub struct RetryMessage {
     /// Attempts in all, the first included (default 3).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
     /// Delay before the second attempt, humantime (default `1s`).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub backoff: Option<String>,
     /// Multiplier per further attempt (default 2).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub factor: Option<f64>,
     /// Upper bound of the delay (default `5m`).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_backoff: Option<String>,
 }
 
@@ -218,16 +228,22 @@ pub struct RetryMessage {
 #[serde(deny_unknown_fields)]
 pub struct LimitsMessage {
     /// Memory ceiling (`"256MiB"`).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub memory: Option<SizeValue>,
     /// CPU share in cores (cgroup / docker), e.g. 1.5.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu: Option<f64>,
     /// CPU time in seconds (RLIMIT_CPU) for shell and command tasks.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu_seconds: Option<u64>,
     /// Maximum number of processes/threads.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub pids: Option<u64>,
     /// Maximum number of open files.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub nofile: Option<u64>,
     /// Output cap for this task (never above the worker's).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub output: Option<SizeValue>,
 }
 

@@ -4,14 +4,17 @@
 //! configuration or connection error).
 
 pub mod cancel;
+pub mod common;
 pub mod dead;
 pub mod logs;
+pub mod output;
 pub mod results;
 pub mod run;
 pub mod schedule;
 pub mod schema;
 pub mod setup;
 pub mod submit;
+pub mod taskflags;
 pub mod workers;
 
 use std::process::ExitCode;
@@ -90,7 +93,15 @@ pub fn main() -> ExitCode {
 
 fn run_cli(cli: Cli) -> anyhow::Result<Exit> {
     let file = config::load_file(&cli.global)?;
-    let log = config::resolve_log(&cli.global, &file)?;
+    let mut log = config::resolve_log(&cli.global, &file)?;
+    // Operator commands talk to people: the client's connection chatter
+    // at info level is noise there, so they log warnings unless asked.
+    let level_given = cli.global.log_level.is_some()
+        || file.log_level.is_some()
+        || std::env::var("RUST_LOG").is_ok_and(|v| !v.is_empty());
+    if !matches!(cli.command, Command::Run(_)) && !level_given {
+        log.level = "warn".into();
+    }
     init_logging(&log);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -44,6 +44,16 @@ impl ProcessRunner {
     ) -> std::io::Result<Self> {
         let work_root = state_dir.join("work");
         std::fs::create_dir_all(&work_root)?;
+        if user.is_some() {
+            // The task user must be able to reach its own working directory
+            // (owned by it) without reading anything else of the worker's.
+            use std::os::unix::fs::PermissionsExt;
+            for d in [state_dir, work_root.as_path()] {
+                let mut p = std::fs::metadata(d)?.permissions();
+                p.set_mode(p.mode() | 0o111);
+                std::fs::set_permissions(d, p)?;
+            }
+        }
         let mut base_env = BTreeMap::new();
         base_env.insert(
             "PATH".to_string(),

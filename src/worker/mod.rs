@@ -112,6 +112,11 @@ pub struct Shared {
     /// Fired when the drain is over: outbox retries give up (the entries
     /// stay on disk for the next start).
     pub abandon: CancellationToken,
+    /// Test-only fault (`JETWORKER_TEST_FAULT=die-before-ack`): exit right
+    /// after a result is stored and before the ack, as a crash would.
+    pub die_before_ack: bool,
+    /// The pipe that keeps the orphan watchdog waiting; closed on exit.
+    watchdog: Mutex<Option<std::process::ChildStdin>>,
 }
 
 impl Shared {
@@ -249,6 +254,13 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             "killed task process groups left by an earlier run"
         );
     }
+    let watchdog = match crate::process::spawn_watchdog(&cfg.state_dir) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            warn!("cannot start the orphan watchdog ({e}); background task processes may outlive a crashed worker until it restarts");
+            None
+        }
+    };
     let runners = Runners {
         process,
         http: runner::http::HttpRunner::new(cfg.deny_private_http)?,
@@ -320,6 +332,8 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         started_at: Utc::now(),
         shutdown: shutdown.clone(),
         abandon: CancellationToken::new(),
+        die_before_ack: std::env::var("JETWORKER_TEST_FAULT").as_deref() == Ok("die-before-ack"),
+        watchdog: Mutex::new(watchdog),
         cfg,
     });
     info!(worker_id = %sh.id, labels = ?sh.cfg.labels, slots = sh.cfg.slots,
@@ -339,7 +353,18 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let hb = tokio::spawn(heartbeat::beat(sh.clone(), background.clone()));
     tokio::spawn(watch_cancels(sh.clone(), background.clone()));
     tokio::spawn(watch_lease(sh.clone(), background.clone()));
-    tokio::spawn(flush_outbox(sh.clone(), background.clone()));
+    // Results an earlier life left behind go out before any pulling, so a
+    // redelivered task finds its result and is not run again.
+    if tokio::time::timeout(
+        Duration::from_secs(10),
+        flush_outbox(sh.clone(), background.clone()),
+    )
+    .await
+    .is_err()
+    {
+        warn!("outbox not empty after 10s; publishing it in the background");
+        tokio::spawn(flush_outbox(sh.clone(), background.clone()));
+    }
 
     let tracker = TaskTracker::new();
     let sem = Arc::new(Semaphore::new(sh.cfg.slots));
@@ -392,6 +417,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         warn!("could not delete the heartbeat key: {e}");
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), client.flush()).await;
+    sh.watchdog.lock().unwrap().take();
     info!(worker_id = %sh.id, "worker stopped");
     Ok(())
 }

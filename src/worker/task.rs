@@ -172,6 +172,11 @@ async fn process(sh: Arc<Shared>, msg: jetstream::Message, task: Task, attempt: 
     }
     let disposition = run_registered(&sh, &msg, &task, attempt, started, stop).await;
     sh.end_task(&task.id);
+    if sh.die_before_ack && disposition == Disposition::Ack {
+        warn!("JETWORKER_TEST_FAULT=die-before-ack: exiting before the ack");
+        // SAFETY: _exit ends the process at once, like a crash would.
+        unsafe { libc::_exit(86) };
+    }
     answer(&sh, &msg, disposition).await;
 }
 
@@ -227,7 +232,6 @@ async fn run_registered(
     debug!(?timeout, "running");
     let t0 = Instant::now();
     let outcome = with_progress(sh, msg, sh.runners.run(ctx)).await;
-    live.end().await;
     let elapsed = t0.elapsed();
 
     let mut r = base_result(sh, task, attempt, outcome.status, started);
@@ -246,6 +250,7 @@ async fn run_registered(
         (Status::Cancelled, Some(StopKind::Shutdown)) => {
             // No result: the next worker runs it again from the start.
             info!("stopped by shutdown; handing back for redelivery");
+            live.end(false).await;
             sh.count("interrupted");
             return Disposition::Nak(None);
         }
@@ -266,6 +271,7 @@ async fn run_registered(
     info!(status = %r.status, r#final = r.is_final, duration_ms = r.duration_ms,
         exit_code = ?r.exit_code, error = r.error.as_deref().unwrap_or(""), "attempt finished");
     sh.count(r.status.as_str());
+    live.end(r.is_final).await;
     publish_then(sh, r, disposition).await
 }
 

@@ -490,3 +490,102 @@ async fn sigterm_drains_running_tasks() {
         .await;
     assert!(keys.is_empty(), "heartbeat key removed: {keys:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_health_endpoints() {
+    let srv = NatsServer::start();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let _w = InProcWorker::start(|c| c.metrics_addr = Some(addr), &srv.url());
+    let js = srv.js().await;
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"m1","type":"shell","payload":"true"}"#,
+    )
+    .await;
+    final_result(&js, "m1", T).await;
+    let get = |path: &'static str| async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.ok()?;
+        Some(out)
+    };
+    let ready = wait_for(T, "readyz", || async {
+        get("/readyz")
+            .await
+            .filter(|r| r.starts_with("HTTP/1.0 200"))
+    })
+    .await;
+    assert!(ready.ends_with("ready\n"));
+    assert!(get("/healthz").await.unwrap().starts_with("HTTP/1.0 200"));
+    let m = wait_for(T, "attempt counter", || async {
+        get("/metrics").await.filter(|m| {
+            m.contains(
+                r#"jetworker_attempts_total{label="default",type="shell",status="success"} 1"#,
+            )
+        })
+    })
+    .await;
+    assert!(m.contains("jetworker_running 0"), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_config_is_one_line_and_exit_2() {
+    let out = std::process::Command::new(jetworker_bin())
+        .args(["run", "--drain-timeout", "soon"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("drain_timeout"), "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("c.toml");
+    std::fs::write(&f, "slots = 0\n").unwrap();
+    let out = std::process::Command::new(jetworker_bin())
+        .args(["run", "--config"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("slots"));
+    let out = std::process::Command::new(jetworker_bin())
+        .args(["run"])
+        .env("JETWORKER_SLOTS", "many")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("slots"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_starting_at_once_do_not_fail() {
+    let srv = NatsServer::start();
+    let ws: Vec<InProcWorker> = (0..4)
+        .map(|_| InProcWorker::start(|_| {}, &srv.url()))
+        .collect();
+    let js = srv.js().await;
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"race","type":"shell","payload":"true"}"#,
+    )
+    .await;
+    assert_eq!(final_result(&js, "race", T).await.status, Status::Success);
+    for w in ws {
+        assert!(
+            !w.handle.as_ref().unwrap().is_finished(),
+            "a worker failed to start"
+        );
+        w.shutdown().await.unwrap();
+    }
+}

@@ -1,8 +1,12 @@
 //! One integration-test binary (ripgrep style): every test starts its own
 //! nats-server (see `util`) and real workers.
 
+mod cli;
+mod cli_worker;
 mod container;
 mod core;
+mod faults;
 mod http;
 mod runner_ctx;
+mod soak;
 mod util;

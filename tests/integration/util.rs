@@ -235,7 +235,7 @@ impl ProcWorker {
             .args(extra)
             .env(
                 "LOG_LEVEL",
-                std::env::var("TEST_LOG_LEVEL").unwrap_or_else(|_| "warn".into()),
+                std::env::var("TEST_LOG_LEVEL").unwrap_or_else(|_| "error".into()),
             )
             .stdin(Stdio::null())
             .spawn()

