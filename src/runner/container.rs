@@ -380,18 +380,23 @@ impl ContainerRunner {
         let outcome = match prepared {
             Err((status, error)) => Outcome {
                 status,
+                exit_code: None,
+                signal: None,
+                http_status: None,
+                output: sink.finish(),
                 error: Some(error),
-                ..Outcome::failed("")
             },
             Ok(output) => supervise(&docker, &name, output, spec, &ctx, deadline, &mut sink).await,
         };
 
-        cleanup.armed = false;
+        // Disarmed only once the removal is done: if this future is dropped
+        // while waiting for it, the guard tries again.
         match timeout(REMOVE_TIMEOUT, remove(&docker, &name)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(container = %name, "cannot remove container: {e}"),
             Err(_) => tracing::warn!(container = %name, "removing the container took too long"),
         }
+        cleanup.armed = false;
         outcome
     }
 

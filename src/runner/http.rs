@@ -26,8 +26,9 @@
 //! public-looking name that resolves to 127.0.0.1 is refused too, and it
 //! holds across redirects: every new connection goes through the resolver,
 //! and the redirect policy checks IP-literal locations (which skip the
-//! resolver). With the guard on, environment proxies are ignored, because a
-//! proxy would resolve the name itself, out of the guard's sight.
+//! resolver). With the guard on, environment proxies (`HTTP_PROXY`, …) are
+//! ignored, because a proxy would resolve the name itself, out of the
+//! guard's sight; with it off (the default) they are honoured.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
