@@ -6,11 +6,12 @@
 # registry is reachable in CI or in the sandbox.
 #
 #   tests/support/busybox-rootfs.sh > rootfs.tar
-#   docker import rootfs.tar jetworker-test-busybox:latest   # by hand, if wanted
+#   docker import rootfs.tar jetworker-test-busybox:v1   # by hand, if wanted
 #
 # Needs a statically linked busybox: BUSYBOX=/path, else /bin/busybox or
 # /usr/bin/busybox; when missing and running as root with apt-get, installs
-# busybox-static. Everything else is POSIX sh and tar.
+# busybox-static. Everything else is POSIX sh and tar. Exit status 3 means
+# no busybox could be found or installed (the tests then say SKIPPED).
 set -eu
 
 find_busybox() {
@@ -28,10 +29,10 @@ if ! bb=$(find_busybox); then
         echo "busybox-rootfs: installing busybox-static" >&2
         DEBIAN_FRONTEND=noninteractive apt-get install -y -q busybox-static >&2 \
             || { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q busybox-static >&2; }
-        bb=$(find_busybox)
+        bb=$(find_busybox) || exit 3
     else
         echo "busybox-rootfs: no busybox found; install busybox-static or set BUSYBOX" >&2
-        exit 1
+        exit 3
     fi
 fi
 
