@@ -590,7 +590,8 @@ async fn container_task_through_the_worker() {
 }
 
 /// The real thing: a worker process SIGKILLed mid-task leaves its
-/// container running; the next worker to start on this host removes it.
+/// container running; the next worker to start on this host (here: the
+/// restarted one, or any other worker a parallel test starts) removes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn container_of_a_sigkilled_worker_is_removed_at_restart() {
     use crate::util::{publish_task, NatsServer, ProcWorker};
@@ -615,8 +616,9 @@ async fn container_of_a_sigkilled_worker_is_removed_at_restart() {
     })
     .await;
     first.kill();
-    // The engine keeps it: nothing in-process can remove it now.
-    assert!(exists(&docker, &container).await);
+    // The engine keeps it: nothing in-process can remove it now. (No
+    // assertion on that: in a full test run, any other worker starting on
+    // this host may already remove it, which is the point.)
 
     // Another label, so that the redelivered task is not picked up again.
     let second = ProcWorker::start_in(
