@@ -16,6 +16,10 @@
 //! container is removed (forced) on every path, including errors and an
 //! attempt future that is dropped half-way.
 //!
+//! A memory-limited container that dies of SIGKILL fails naming the limit:
+//! "killed by the out-of-memory killer" when the engine recorded the OOM
+//! kill, "may have been exceeded" when it did not (the engine can miss it).
+//!
 //! The one thing the runner cannot do in-process is outlive a SIGKILL of the
 //! worker: the engine keeps such a container running. Every container is
 //! therefore labelled with the worker's identity (see [`WorkerIdentity`]),
@@ -44,7 +48,7 @@ use futures::StreamExt;
 use tokio::time::{sleep_until, timeout, Instant};
 
 use super::{Outcome, RunContext};
-use crate::output::{OutputSink, StreamKind};
+use crate::output::{Captured, OutputSink, StreamKind};
 use crate::protocol::{format_size, ContainerSpec, PullPolicy, Status, TaskKind};
 
 /// Label: the task id of the attempt the container runs.
@@ -80,6 +84,19 @@ const LOG_DRAIN: Duration = Duration::from_secs(2);
 const KILL_CONFIRM: Duration = Duration::from_secs(10);
 /// Bound on the final forced removal.
 const REMOVE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Bound on create + attach + start together; these requests are never
+/// abandoned half-way for a timeout or a stop (see [`ContainerRunner::run`]).
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a removal keeps trying when the engine says "no such container"
+/// although a create request may still be in flight (an abandoned create
+/// completes on the engine all the same).
+const REMOVE_PATIENCE: Duration = Duration::from_secs(10);
+/// How long to wait for the engine to record an OOM kill after a SIGKILLed
+/// exit: the OOM event is processed apart from the exit, and may lag. (It
+/// may also be lost: Docker 20.10 on cgroup v1 missed about one in ten in
+/// testing, flag and `oom` event alike; hence the fallback wording in
+/// [`supervise`] rather than a longer wait.)
+const OOM_CONFIRM: Duration = Duration::from_millis(500);
 
 /// The container's output, as attached before the start.
 type OutputStream = std::pin::Pin<Box<dyn Stream<Item = Result<LogOutput, DockerError>> + Send>>;
@@ -335,10 +352,12 @@ impl ContainerRunner {
                 .map(String::as_str)
                 .unwrap_or("?");
             match remove(&docker, &id).await {
-                Ok(()) => {
+                Ok(true) => {
                     removed += 1;
                     tracing::info!(container = %id, task, worker = owner, "removed leftover container of a worker that is gone");
                 }
+                // Gone meanwhile (another worker got there first).
+                Ok(false) => {}
                 Err(e) => tracing::warn!(container = %id, "cannot remove leftover container: {e}"),
             }
         }
@@ -363,36 +382,63 @@ impl ContainerRunner {
             ctx.attempt,
             rand::random::<u32>()
         );
-        // Armed before the container exists: creation may complete on the
-        // engine even if this future is dropped while waiting for it.
+        // Armed before the container exists: if this future is dropped
+        // while a create request is in flight, the engine still creates it.
         let mut cleanup = Cleanup {
             docker: docker.clone(),
             name: name.clone(),
             armed: true,
         };
         let mut sink = OutputSink::new(ctx.output_cap, ctx.live.clone());
+        let early = |status, error| Outcome {
+            status,
+            exit_code: None,
+            signal: None,
+            http_status: None,
+            output: Captured::default(),
+            error: Some(error),
+        };
 
-        let prepared = tokio::select! {
-            r = self.prepare(&docker, spec, &ctx, &name) => r.map_err(|e| (Status::Failed, e)),
+        // The image: a pull can take long and holds nothing to clean up, so
+        // timeout and stop cut it short.
+        let pulled = tokio::select! {
+            r = ensure_image(&docker, &spec.image, spec.pull) => r.map_err(|e| (Status::Failed, e)),
             _ = sleep_until(deadline) => Err((Status::Timeout, timeout_reason(ctx.timeout))),
             _ = ctx.stop.fired() => Err((Status::Cancelled, stop_reason(&ctx))),
         };
-        let outcome = match prepared {
-            Err((status, error)) => Outcome {
-                status,
-                exit_code: None,
-                signal: None,
-                http_status: None,
-                output: sink.finish(),
-                error: Some(error),
-            },
-            Ok(output) => supervise(&docker, &name, output, spec, &ctx, deadline, &mut sink).await,
+        if let Err((status, error)) = pulled {
+            cleanup.armed = false;
+            return early(status, error);
+        }
+
+        // Create, attach, start: not raced against timeout or stop. An
+        // abandoned create still completes on the engine, after a removal
+        // by name would have found nothing; a timeout or stop that came
+        // meanwhile is handled by `supervise` as soon as the container runs.
+        let started = timeout(START_TIMEOUT, self.start(&docker, spec, &ctx, &name)).await;
+        let outcome = match started {
+            Ok(Ok(output)) => {
+                supervise(&docker, &name, output, spec, &ctx, deadline, &mut sink).await
+            }
+            Ok(Err(error)) => early(Status::Failed, error),
+            Err(_) => {
+                // Requests were abandoned: the container may appear late.
+                let _ = remove_eventually(&docker, &name).await;
+                cleanup.armed = false;
+                return early(
+                    Status::Failed,
+                    format!(
+                        "the Docker Engine did not create and start the container within {}",
+                        humantime::format_duration(START_TIMEOUT)
+                    ),
+                );
+            }
         };
 
         // Disarmed only once the removal is done: if this future is dropped
         // while waiting for it, the guard tries again.
         match timeout(REMOVE_TIMEOUT, remove(&docker, &name)).await {
-            Ok(Ok(())) => {}
+            Ok(Ok(_)) => {}
             Ok(Err(e)) => tracing::warn!(container = %name, "cannot remove container: {e}"),
             Err(_) => tracing::warn!(container = %name, "removing the container took too long"),
         }
@@ -400,15 +446,14 @@ impl ContainerRunner {
         outcome
     }
 
-    /// Image, create, attach, start; the attached output.
-    async fn prepare(
+    /// Create, attach, start; the attached output.
+    async fn start(
         &self,
         docker: &Docker,
         spec: &ContainerSpec,
         ctx: &RunContext,
         name: &str,
     ) -> Result<OutputStream, String> {
-        ensure_image(docker, &spec.image, spec.pull).await?;
         let body = self.create_body(spec, ctx);
         docker
             .create_container(
@@ -511,7 +556,9 @@ impl Drop for Cleanup {
             let docker = self.docker.clone();
             let name = std::mem::take(&mut self.name);
             rt.spawn(async move {
-                let _ = remove(&docker, &name).await;
+                if let Err(e) = remove_eventually(&docker, &name).await {
+                    tracing::warn!(container = %name, "cannot remove container: {e}");
+                }
             });
         }
     }
@@ -530,22 +577,43 @@ fn connect(endpoint: &str) -> Result<Docker, DockerError> {
         .map(|d| d.with_timeout(Duration::from_secs(REQUEST_TIMEOUT_SECS)))
 }
 
-/// Force-remove a container and its anonymous volumes; gone already is fine.
-async fn remove(docker: &Docker, name: &str) -> Result<(), String> {
+/// Force-remove a container and its anonymous volumes. `Ok(false)`: there
+/// was no such container (or someone else is removing it).
+async fn remove(docker: &Docker, name: &str) -> Result<bool, String> {
     let opts = RemoveContainerOptionsBuilder::new()
         .force(true)
         .v(true)
         .build();
     match docker.remove_container(name, Some(opts)).await {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(true),
         Err(DockerError::DockerResponseServerError {
             status_code: 404, ..
-        }) => Ok(()),
+        }) => Ok(false),
         // "removal already in progress": someone else finishes it.
         Err(DockerError::DockerResponseServerError {
             status_code: 409, ..
-        }) => Ok(()),
+        }) => Ok(false),
         Err(e) => Err(docker_error(&e)),
+    }
+}
+
+/// Remove a container that may not exist *yet*: after a create request was
+/// abandoned, the engine may still be creating it. Tries until a removal
+/// succeeds or [`REMOVE_PATIENCE`] has passed.
+async fn remove_eventually(docker: &Docker, name: &str) -> Result<(), String> {
+    let give_up = Instant::now() + REMOVE_PATIENCE;
+    loop {
+        let r = timeout(REMOVE_TIMEOUT, remove(docker, name))
+            .await
+            .unwrap_or_else(|_| Err("no answer from the engine".into()));
+        match r {
+            Ok(true) => return Ok(()),
+            Ok(false) | Err(_) if Instant::now() < give_up => {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Ok(false) => return Ok(()),
+            Err(e) => return Err(e),
+        }
     }
 }
 
@@ -691,15 +759,29 @@ async fn supervise(
         }
     }
 
-    // The wait status says how it exited; inspect says whether the kernel's
-    // OOM killer was involved.
-    let oom_killed = match docker.inspect_container(name, None).await {
-        Ok(info) => info.state.and_then(|s| s.oom_killed).unwrap_or(false),
-        Err(_) => false,
-    };
     let exit_code = match &exited {
         Some(Ok(c)) => i32::try_from(*c).ok(),
         _ => None,
+    };
+    // The wait status says how it exited; inspect says whether the kernel's
+    // OOM killer was involved. The engine records that from a separate
+    // event, so a SIGKILLed task with a memory limit gets a moment for it.
+    let sigkilled_alone = exit_code == Some(137) && !stopped && !timed_out;
+    let confirm_until = Instant::now()
+        + if sigkilled_alone && spec.memory.is_some() {
+            OOM_CONFIRM
+        } else {
+            Duration::ZERO
+        };
+    let oom_killed = loop {
+        let oom = match docker.inspect_container(name, None).await {
+            Ok(info) => info.state.and_then(|s| s.oom_killed).unwrap_or(false),
+            Err(_) => false,
+        };
+        if oom || Instant::now() >= confirm_until {
+            break oom;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let (status, error) = if stopped {
         (Status::Cancelled, Some(stop_reason(ctx)))
@@ -709,6 +791,15 @@ async fn supervise(
         match exited {
             Some(Ok(_)) if oom_killed => (Status::Failed, Some(oom_reason(exit_code, spec.memory))),
             Some(Ok(0)) => (Status::Success, None),
+            // SIGKILL from neither us nor a confirmed OOM kill: with a
+            // memory limit, most likely the limit all the same.
+            Some(Ok(137)) if spec.memory.is_some() => (
+                Status::Failed,
+                Some(format!(
+                    "exit code 137 (SIGKILL; memory limit {} may have been exceeded)",
+                    format_size(spec.memory.unwrap_or_default())
+                )),
+            ),
             Some(Ok(c)) => (Status::Failed, Some(format!("exit code {c}"))),
             Some(Err(e)) => (Status::Failed, Some(e)),
             None => (Status::Failed, Some("container state unknown".into())),
