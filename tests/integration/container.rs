@@ -321,18 +321,25 @@ async fn container_removed_when_the_attempt_is_dropped() {
 async fn container_memory_limit_is_enforced() {
     let Some(_docker) = setup().await else { return };
     let id = unique("oom");
-    // `tail` has to hold the whole last "line" (100 MB without a newline).
-    let t = sh_task(
-        &id,
-        "head -c 100000000 /dev/zero | tail",
-        r#","limits":{"memory":"8MiB"}"#,
-    );
+    // dd's 64 MiB buffer is touched at once as /dev/zero fills it. (A
+    // pipe into `tail` also works, but grows slowly enough that the kernel
+    // can spend many seconds reclaiming page cache before it gives up.)
+    let t = task(&format!(
+        r#"{{"type":"container","id":"{id}","image":"{TEST_IMAGE}","pull":"never",
+            "args":["dd","if=/dev/zero","of=/dev/null","bs=64M","count=1"],
+            "limits":{{"memory":"8MiB"}}}}"#
+    ));
     let out = runner().run(context(t, Duration::from_secs(60))).await;
     assert_eq!(out.status, Status::Failed, "{out:?}");
     assert_eq!(out.exit_code, Some(137), "SIGKILLed: {out:?}");
-    assert_eq!(
-        out.error.as_deref(),
-        Some("exit code 137: killed by the out-of-memory killer: memory limit 8MiB exceeded"),
+    // The engine records the OOM kill from an event of its own, which can
+    // lag behind the exit; the runner waits a moment for it and otherwise
+    // still names the limit. Either way the reason names the limit.
+    let error = out.error.unwrap();
+    assert!(
+        error == "exit code 137: killed by the out-of-memory killer: memory limit 8MiB exceeded"
+            || error == "exit code 137 (SIGKILL; memory limit 8MiB may have been exceeded)",
+        "{error}"
     );
 }
 
