@@ -158,6 +158,9 @@ pub struct RunArgs {
     /// Refuse http tasks to private, loopback and link-local addresses.
     #[arg(long, env = "JETWORKER_DENY_PRIVATE_HTTP", num_args = 0..=1, default_missing_value = "true")]
     pub deny_private_http: Option<String>,
+    /// Per-task cgroups where the tree is writable: auto (default) or off.
+    #[arg(long, env = "JETWORKER_CGROUPS")]
+    pub cgroups: Option<String>,
     /// When cut off longer than ack wait: kill (default) or keep running tasks.
     #[arg(long, env = "JETWORKER_ON_LEASE_LOST")]
     pub on_lease_lost: Option<String>,

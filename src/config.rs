@@ -70,6 +70,7 @@ pub struct FileConfig {
     pub docker_host: Option<String>,
     pub deny_private_http: Option<bool>,
     pub on_lease_lost: Option<String>,
+    pub cgroups: Option<String>,
     pub names: Option<Names>,
 }
 
@@ -174,6 +175,8 @@ pub struct WorkerConfig {
     pub docker_host: Option<String>,
     pub deny_private_http: bool,
     pub on_lease_lost: LeaseLost,
+    /// Give shell/command tasks their own cgroup where the tree is writable.
+    pub cgroups: bool,
 }
 
 /// Log settings, resolved before anything else so that errors are logged.
@@ -455,6 +458,38 @@ pub fn default_state_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/var/lib/jetworker"))
 }
 
+/// An empty value (`JETWORKER_SLOTS=` in a compose file) means "not set".
+fn unset_empty(run: &RunArgs) -> RunArgs {
+    fn f(v: &Option<String>) -> Option<String> {
+        v.clone().filter(|s| !s.trim().is_empty())
+    }
+    RunArgs {
+        name: f(&run.name),
+        labels: f(&run.labels),
+        types: f(&run.types),
+        slots: f(&run.slots),
+        default_timeout: f(&run.default_timeout),
+        kill_grace: f(&run.kill_grace),
+        ack_wait: f(&run.ack_wait),
+        heartbeat: f(&run.heartbeat),
+        offline_after: f(&run.offline_after),
+        drain_timeout: f(&run.drain_timeout),
+        output_cap: f(&run.output_cap),
+        max_task_bytes: f(&run.max_task_bytes),
+        state_dir: run.state_dir.clone().filter(|p| !p.as_os_str().is_empty()),
+        metrics_addr: f(&run.metrics_addr),
+        pass_env: f(&run.pass_env),
+        shell: f(&run.shell),
+        task_user: f(&run.task_user),
+        allowed_networks: f(&run.allowed_networks),
+        default_network: f(&run.default_network),
+        docker_host: f(&run.docker_host),
+        deny_private_http: f(&run.deny_private_http),
+        on_lease_lost: f(&run.on_lease_lost),
+        cgroups: f(&run.cgroups),
+    }
+}
+
 /// Resolve every worker setting.
 pub fn resolve_worker(
     global: &GlobalArgs,
@@ -462,6 +497,7 @@ pub fn resolve_worker(
     file: FileConfig,
 ) -> Result<WorkerConfig, ConfigError> {
     let connect = resolve_connect(global, &file)?;
+    let run = &unset_empty(run);
     let name = run
         .name
         .clone()
@@ -692,6 +728,16 @@ pub fn resolve_worker(
         })?,
         None => file.deny_private_http.unwrap_or(false),
     };
+    let cgroups = match pick(run.cgroups.clone(), file.cgroups).as_deref() {
+        None | Some("auto") => true,
+        Some("off") => false,
+        Some(o) => {
+            return Err(ConfigError::new(
+                "cgroups",
+                format!("`{o}` is not auto or off"),
+            ))
+        }
+    };
     Ok(WorkerConfig {
         connect,
         name,
@@ -717,6 +763,7 @@ pub fn resolve_worker(
         docker_host: pick(run.docker_host.clone(), file.docker_host),
         deny_private_http,
         on_lease_lost,
+        cgroups,
     })
 }
 

@@ -17,6 +17,7 @@
 //!   signals, rlimits) and [`output`] (bounded capture) serve them.
 //! - [`metrics`]: Prometheus `/metrics`, `/healthz`, `/readyz`.
 
+pub mod cgroup;
 pub mod cli;
 pub mod commands;
 pub mod config;

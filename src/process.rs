@@ -85,7 +85,14 @@ impl From<&Limits> for ChildLimits {
 ///
 /// The group is set through std (`process_group`); the rest needs a
 /// `pre_exec` hook, which only uses async-signal-safe calls.
-pub fn configure(cmd: &mut tokio::process::Command, user: Option<TaskUser>, limits: ChildLimits) {
+/// `cgroup_join` lists `cgroup.procs` files the child enters before exec
+/// (see [`crate::cgroup`]), so that even its first fork is inside.
+pub fn configure(
+    cmd: &mut tokio::process::Command,
+    user: Option<TaskUser>,
+    limits: ChildLimits,
+    cgroup_join: Vec<std::ffi::CString>,
+) {
     cmd.process_group(0);
     if let Some(u) = user {
         cmd.uid(u.uid);
@@ -105,6 +112,7 @@ pub fn configure(cmd: &mut tokio::process::Command, user: Option<TaskUser>, limi
             if libc::getppid() != parent {
                 return Err(std::io::Error::other("worker exited during spawn"));
             }
+            crate::cgroup::join_in_child(&cgroup_join)?;
             let set = |res, v: u64| -> std::io::Result<()> {
                 let lim = libc::rlimit {
                     rlim_cur: v as libc::rlim_t,

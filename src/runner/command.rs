@@ -15,6 +15,7 @@ use tokio::io::AsyncReadExt;
 use tokio::time::{sleep_until, Instant};
 
 use super::{Outcome, RunContext};
+use crate::cgroup::Cgroups;
 use crate::output::{OutputSink, StreamKind};
 use crate::process::{self, ChildLimits, GroupRecords, TaskUser};
 use crate::protocol::{Status, TaskKind};
@@ -30,6 +31,8 @@ pub struct ProcessRunner {
     /// PATH, LANG and the pass-through variables, read once at start-up.
     base_env: BTreeMap<String, String>,
     user: Option<TaskUser>,
+    /// Where per-task cgroups go, if the tree is writable.
+    cgroups: Option<Cgroups>,
     /// Parent of the per-task working directories.
     work_root: PathBuf,
     records: GroupRecords,
@@ -41,6 +44,7 @@ impl ProcessRunner {
         pass_env: &[String],
         user: Option<TaskUser>,
         state_dir: &std::path::Path,
+        use_cgroups: bool,
     ) -> std::io::Result<Self> {
         let work_root = state_dir.join("work");
         std::fs::create_dir_all(&work_root)?;
@@ -68,18 +72,46 @@ impl ProcessRunner {
                 base_env.insert(k.clone(), v);
             }
         }
+        let cgroups = if use_cgroups {
+            match Cgroups::detect() {
+                Ok(c) => {
+                    tracing::info!(?c, "per-task cgroups enabled");
+                    Some(c)
+                }
+                Err(why) => {
+                    tracing::info!("per-task cgroups unavailable ({why}); limits use rlimits only");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         Ok(ProcessRunner {
             shell,
             base_env,
             user,
+            cgroups,
             work_root,
             records: GroupRecords::new(state_dir)?,
         })
     }
 
-    /// Kill process groups left by an earlier life of this worker.
+    /// Kill process groups (and cgroups) left by an earlier life of this
+    /// worker.
     pub fn reap_orphans(&self) -> usize {
-        self.records.reap_orphans()
+        self.records.reap_orphans() + self.cgroups.as_ref().map(|c| c.reap_stale()).unwrap_or(0)
+    }
+
+    /// Remove what this runner made outside the state directory.
+    pub fn cleanup(&self) {
+        if let Some(c) = &self.cgroups {
+            c.cleanup();
+        }
+    }
+
+    /// Whether tasks get their own cgroup.
+    pub fn has_cgroups(&self) -> bool {
+        self.cgroups.is_some()
     }
 
     pub async fn run(&self, ctx: RunContext) -> Outcome {
@@ -122,12 +154,36 @@ impl ProcessRunner {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        let limits = ChildLimits::from(&ctx.task.limits);
-        process::configure(&mut cmd, self.user, limits);
+        let mut limits = ChildLimits::from(&ctx.task.limits);
+        let cgroup = match &self.cgroups {
+            Some(c) if Cgroups::wanted(&ctx.task.limits) => {
+                let name = format!("{}-{}-{}", ctx.task.id, ctx.attempt, std::process::id());
+                match c.create(&name, &ctx.task.limits) {
+                    Ok(cg) => Some(cg),
+                    Err(e) => {
+                        return Outcome::failed(format!("cannot create the task's cgroup: {e}"))
+                    }
+                }
+            }
+            _ => None,
+        };
+        if cgroup.is_some() {
+            // The cgroup bounds the whole tree; per-process rlimits would only
+            // get in the way (RLIMIT_AS breaks runtimes that reserve memory).
+            limits.memory = None;
+            limits.pids = None;
+        }
+        let join = cgroup.as_ref().map(|c| c.join_files()).unwrap_or_default();
+        process::configure(&mut cmd, self.user, limits, join);
 
         let mut child = match cmd.spawn() {
             Ok(c) => c,
-            Err(e) => return Outcome::failed(format!("cannot start `{program}`: {e}")),
+            Err(e) => {
+                if let Some(cg) = &cgroup {
+                    cg.remove();
+                }
+                return Outcome::failed(format!("cannot start `{program}`: {e}"));
+            }
         };
         let pgid = child.id().unwrap_or(0);
         if pgid > 0 {
@@ -198,6 +254,15 @@ impl ProcessRunner {
         if pgid > 0 {
             self.records.remove(pgid);
         }
+        let oom = match &cgroup {
+            Some(cg) => {
+                cg.kill_all();
+                let oom = cg.oom_killed();
+                cg.remove();
+                oom
+            }
+            None => false,
+        };
         drop(workdir);
 
         let output = sink.finish();
@@ -224,6 +289,14 @@ impl ProcessRunner {
         } else {
             match &status {
                 Some(Ok(s)) if s.success() => (Status::Success, None),
+                Some(Ok(_)) if oom => (
+                    Status::Failed,
+                    Some(format!(
+                        "{}: memory limit {} exceeded (killed by the OOM killer)",
+                        failure_reason(exit_code, signal, &ChildLimits::default()),
+                        crate::protocol::format_size(ctx.task.limits.memory.unwrap_or(0))
+                    )),
+                ),
                 Some(Ok(_)) => (
                     Status::Failed,
                     Some(failure_reason(exit_code, signal, &limits)),

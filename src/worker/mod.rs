@@ -204,38 +204,23 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let _ = rustls::crypto::ring::default_provider().install_default();
 
     let conn = Arc::new(ConnState::default());
-    let c2 = conn.clone();
-    let client =
-        crate::connect::connect_worker(&cfg.connect, &id, Arc::new(move |e| c2.on_event(&e)))
-            .await?;
-    conn.connected.store(true, Ordering::SeqCst);
-    crate::connect::check_server(&client)?;
-    let js = jetstream::ContextBuilder::new()
-        .timeout(Duration::from_secs(10))
-        .build(client.clone());
-    let names = cfg.connect.names.clone();
-    let opts = SetupOptions {
-        offline_after: cfg.offline_after,
-        ..Default::default()
-    };
-    let infra = setup::ensure_all(&js, &names, &opts).await?;
-    let mut consumers = Vec::new();
-    let mut ack_wait = cfg.ack_wait;
-    for label in &cfg.labels {
-        let mut c = setup::ensure_label_consumer(&infra.tasks, &names, label, cfg.ack_wait).await?;
-        let real = c
-            .info()
-            .await
-            .map(|i| i.config.ack_wait)
-            .unwrap_or(cfg.ack_wait);
-        if real != cfg.ack_wait {
-            warn!(label, consumer_ack_wait = ?real, configured = ?cfg.ack_wait,
-                "the label's consumer exists with another ack wait; using the consumer's");
+    // Until it pulls, a worker waiting for NATS or for its streams must
+    // still stop at once on SIGTERM.
+    let started = tokio::select! {
+        r = start_up(&cfg, &id, conn.clone()) => r?,
+        _ = shutdown.cancelled() => {
+            info!("stopped before it was connected");
+            return Ok(());
         }
-        ack_wait = ack_wait.min(real);
-        consumers.push((label.clone(), c));
-    }
-
+    };
+    let StartUp {
+        client,
+        js,
+        names,
+        infra,
+        consumers,
+        ack_wait,
+    } = started;
     let task_user = match &cfg.task_user {
         Some(u) => Some(crate::process::resolve_user(u).map_err(anyhow::Error::msg)?),
         None => None,
@@ -245,6 +230,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         &cfg.pass_env,
         task_user,
         &cfg.state_dir,
+        cfg.cgroups,
     )
     .context("state_dir: cannot prepare the working directories")?;
     let reaped = process.reap_orphans();
@@ -388,8 +374,17 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         running = sh.running_ids().len(),
         "stopping: no new tasks; draining"
     );
+    // A puller finishes its current pull (at most PULL_EXPIRES); one stuck
+    // on a dead connection is abandoned: what it may still receive is
+    // redelivered after ack wait.
     for p in pullers {
-        let _ = p.await;
+        let abort = p.abort_handle();
+        if tokio::time::timeout(PULL_EXPIRES + Duration::from_secs(3), p)
+            .await
+            .is_err()
+        {
+            abort.abort();
+        }
     }
     tracker.close();
     if tokio::time::timeout(sh.cfg.drain_timeout, tracker.wait())
@@ -418,8 +413,64 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), client.flush()).await;
     sh.watchdog.lock().unwrap().take();
+    sh.runners.process.cleanup();
     info!(worker_id = %sh.id, "worker stopped");
     Ok(())
+}
+
+/// What start-up produced.
+struct StartUp {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    names: Names,
+    infra: Infra,
+    consumers: Vec<(String, PullConsumer)>,
+    ack_wait: Duration,
+}
+
+/// Connect, check the server, create or check streams, buckets and the
+/// label consumers.
+async fn start_up(cfg: &WorkerConfig, id: &str, conn: Arc<ConnState>) -> anyhow::Result<StartUp> {
+    let c2 = conn.clone();
+    let client =
+        crate::connect::connect_worker(&cfg.connect, id, Arc::new(move |e| c2.on_event(&e)))
+            .await?;
+    conn.connected.store(true, Ordering::SeqCst);
+    crate::connect::check_server(&client)?;
+    let js = jetstream::ContextBuilder::new()
+        .timeout(Duration::from_secs(10))
+        .build(client.clone());
+    let names = cfg.connect.names.clone();
+    let opts = SetupOptions {
+        offline_after: cfg.offline_after,
+        ..Default::default()
+    };
+    let infra = setup::ensure_all(&js, &names, &opts).await?;
+    let mut consumers = Vec::new();
+    let mut ack_wait = cfg.ack_wait;
+    for label in &cfg.labels {
+        let mut c = setup::ensure_label_consumer(&infra.tasks, &names, label, cfg.ack_wait).await?;
+        let real = c
+            .info()
+            .await
+            .map(|i| i.config.ack_wait)
+            .unwrap_or(cfg.ack_wait);
+        if real != cfg.ack_wait {
+            warn!(label, consumer_ack_wait = ?real, configured = ?cfg.ack_wait,
+                "the label's consumer exists with another ack wait; using the consumer's");
+        }
+        ack_wait = ack_wait.min(real);
+        consumers.push((label.clone(), c));
+    }
+
+    Ok(StartUp {
+        client,
+        js,
+        names,
+        infra,
+        consumers,
+        ack_wait,
+    })
 }
 
 /// Pull from one label's consumer, never leasing more than free slots.

@@ -589,3 +589,144 @@ async fn workers_starting_at_once_do_not_fail() {
         w.shutdown().await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_waiting_for_nats_exits_0() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut w = ProcWorker::start(&format!("nats://127.0.0.1:{port}"), &[]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    w.signal(Signal::SIGTERM);
+    assert_eq!(w.wait_exit(Duration::from_secs(5)).await, Some(0));
+}
+
+/// A fake NATS server that announces `version` and answers PINGs: enough
+/// for a client to connect and read the server info.
+async fn fake_old_server(version: &'static str) -> u16 {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let (r, mut w) = s.into_split();
+                let info = format!(
+                    "INFO {{\"server_id\":\"fake\",\"server_name\":\"fake\",\"version\":\"{version}\",\"go\":\"go1\",\"host\":\"127.0.0.1\",\"port\":{port},\"headers\":true,\"max_payload\":1048576,\"proto\":1,\"jetstream\":true}}\r\n"
+                );
+                let _ = w.write_all(info.as_bytes()).await;
+                let mut lines = BufReader::new(r).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if line.starts_with("PING") {
+                        let _ = w.write_all(b"PONG\r\n").await;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_server_is_refused() {
+    let port = fake_old_server("2.9.25").await;
+    let out = tokio::process::Command::new(jetworker_bin())
+        .args(["run", "--server", &format!("nats://127.0.0.1:{port}")])
+        .arg("--state-dir")
+        .arg(tempfile::tempdir().unwrap().path())
+        .env("LOG_LEVEL", "error")
+        .output();
+    let out = tokio::time::timeout(T, out).await.expect("exits").unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("2.9.25 is too old") && err.contains("2.11"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_worker_leases_no_more_than_its_slots() {
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|c| c.slots = 1, &srv.url());
+    let js = srv.js().await;
+    for i in 0..3 {
+        publish_task(
+            &js,
+            "default",
+            &format!(r#"{{"id":"slot{i}","type":"shell","payload":"sleep 1"}}"#),
+        )
+        .await;
+    }
+    let stream = js.get_stream("TASKS").await.unwrap();
+    let mut c: async_nats::jetstream::consumer::PullConsumer =
+        stream.get_consumer("label-default").await.unwrap();
+    // While the first runs, only it is leased; the others wait in the stream
+    // for any worker that is free.
+    let deadline = std::time::Instant::now() + T;
+    let info = loop {
+        let i = c.info().await.unwrap().clone();
+        if i.num_ack_pending >= 1 {
+            break i;
+        }
+        assert!(std::time::Instant::now() < deadline, "nothing leased");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(info.num_ack_pending, 1, "{info:?}");
+    assert_eq!(info.num_pending, 2, "{info:?}");
+    for _ in 0..5 {
+        let i = c.info().await.unwrap().clone();
+        assert!(i.num_ack_pending <= 1, "hoarding: {i:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for i in 0..3 {
+        final_result(&js, &format!("slot{i}"), T).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn labels_are_served_fairly() {
+    let srv = NatsServer::start();
+    let js = srv.js().await;
+    // Queue both labels first, then start one worker with one slot.
+    let setup = async_nats::jetstream::new(srv.client().await);
+    jetworker::setup::ensure_all(&setup, &Default::default(), &Default::default())
+        .await
+        .unwrap();
+    for i in 0..6 {
+        publish_task(
+            &js,
+            "a",
+            &format!(r#"{{"id":"a{i}","type":"shell","payload":"sleep 0.1"}}"#),
+        )
+        .await;
+        publish_task(
+            &js,
+            "b",
+            &format!(r#"{{"id":"b{i}","type":"shell","payload":"sleep 0.1"}}"#),
+        )
+        .await;
+    }
+    let _w = InProcWorker::start(
+        |c| {
+            c.slots = 1;
+            c.labels = vec!["a".into(), "b".into()];
+        },
+        &srv.url(),
+    );
+    let mut done = Vec::new();
+    for l in ["a", "b"] {
+        for i in 0..6 {
+            let r = final_result(&js, &format!("{l}{i}"), T).await;
+            done.push((r.started_at, l));
+        }
+    }
+    done.sort();
+    let first_half: Vec<&str> = done[..6].iter().map(|d| d.1).collect();
+    assert!(
+        first_half.contains(&"a") && first_half.contains(&"b"),
+        "one label starved the other: {first_half:?}"
+    );
+}

@@ -453,3 +453,58 @@ async fn tasks_run_as_the_task_user() {
     let nobody = nix::unistd::User::from_name("nobody").unwrap().unwrap();
     assert_eq!(r.output, format!("{}\n{}\nwrote\n", nobody.uid, nobody.gid));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_task_cgroup_bounds_the_whole_tree() {
+    if let Err(why) = jetworker::cgroup::Cgroups::detect() {
+        eprintln!(
+            "SKIPPED: per_task_cgroup_bounds_the_whole_tree: no writable cgroup tree ({why})"
+        );
+        return;
+    }
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|_| {}, &srv.url());
+    let js = srv.js().await;
+    let dir = tempfile::tempdir().unwrap();
+    let escaped = dir.path().join("escaped");
+    // A process that leaves the process group still dies with the attempt.
+    publish_task(
+        &js,
+        "default",
+        &format!(
+            r#"{{"id":"cg-escape","type":"shell","limits":{{"memory":"256MiB"}},"payload":"setsid sleep 600 & echo $! > {}; echo ok"}}"#,
+            escaped.display()
+        ),
+    )
+    .await;
+    let r = final_result(&js, "cg-escape", T).await;
+    assert_eq!(r.status, Status::Success, "{r:?}");
+    let pid = read_pid(&escaped).await;
+    wait_for(Duration::from_secs(5), "escaped process to die", || async {
+        (!pid_alive(pid)).then_some(())
+    })
+    .await;
+    // Memory over the limit: killed by the OOM killer, reported as such.
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"cg-oom","type":"shell","retry":{"max_attempts":1},"limits":{"memory":"32MiB"},"payload":"x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}"}"#,
+    )
+    .await;
+    let r = final_result(&js, "cg-oom", T).await;
+    assert_eq!(r.status, Status::Failed, "{r:?}");
+    let err = r.error.unwrap();
+    assert!(err.contains("memory limit 32MiB exceeded"), "{err}");
+    // pids: forks beyond the limit fail.
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"cg-pids","type":"shell","retry":{"max_attempts":1},"limits":{"pids":8},"payload":"for i in $(seq 30); do sleep 2 & done; wait"}"#,
+    )
+    .await;
+    let r = final_result(&js, "cg-pids", T).await;
+    assert!(
+        r.output.contains("fork") || r.output.contains("Resource temporarily unavailable"),
+        "{r:?}"
+    );
+}

@@ -3,6 +3,7 @@
 
 mod cli;
 mod cli_worker;
+mod compose;
 mod container;
 mod core;
 mod faults;
