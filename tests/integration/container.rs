@@ -15,9 +15,7 @@ use bollard::query_parameters::{
 use bollard::Docker;
 use futures::StreamExt;
 use jetworker::protocol::{parse_task, Envelope, Status, ValidationLimits};
-use jetworker::runner::container::{
-    ContainerRunner, WorkerIdentity, LABEL_TASK_ID, LABEL_WORKER_ID,
-};
+use jetworker::runner::container::{ContainerRunner, WorkerIdentity, LABEL_TASK_ID};
 use jetworker::runner::StopKind;
 
 use crate::runner_ctx::{context, task};
@@ -527,49 +525,34 @@ async fn container_leftovers_of_dead_workers_are_removed() {
         None
     };
 
-    let removed = runner.remove_leftovers().await;
-    assert!(removed >= 1, "removed {removed}");
-    assert!(
-        !exists(&docker, &dead_c).await,
-        "dead worker's container removed"
-    );
-    if let Some(c) = &reused_c {
-        assert!(
-            !exists(&docker, c).await,
-            "container of a reused pid removed"
-        );
-    }
-    assert!(
-        exists(&docker, &live_c).await,
-        "live worker's container kept"
-    );
-    assert!(
-        exists(&docker, &remote_c).await,
-        "other host's container kept"
-    );
+    // (No assertion on the count: in a full test run, a worker that
+    // another test starts on this host may get to the dead ones first.)
+    runner.remove_leftovers().await;
+    let dead_gone = !exists(&docker, &dead_c).await;
+    let reused_gone = match &reused_c {
+        Some(c) => !exists(&docker, c).await,
+        None => true,
+    };
+    let live_kept = exists(&docker, &live_c).await;
+    let remote_kept = exists(&docker, &remote_c).await;
 
     let _ = sleeper.kill();
     let _ = sleeper.wait();
-    for c in [live_c, remote_c] {
+    for c in [&dead_c, &live_c, &remote_c]
+        .into_iter()
+        .chain(reused_c.as_ref())
+    {
         let _ = docker
             .remove_container(
-                &c,
+                c,
                 Some(RemoveContainerOptionsBuilder::new().force(true).build()),
             )
             .await;
     }
-    // Nothing of ours is left either.
-    let filters = HashMap::from([("label", vec![format!("{LABEL_WORKER_ID}={}", me.worker_id)])]);
-    let ours = docker
-        .list_containers(Some(
-            ListContainersOptionsBuilder::new()
-                .all(true)
-                .filters(&filters)
-                .build(),
-        ))
-        .await
-        .unwrap();
-    assert!(ours.is_empty());
+    assert!(dead_gone, "dead worker's container removed");
+    assert!(reused_gone, "container of a reused pid removed");
+    assert!(live_kept, "live worker's container kept");
+    assert!(remote_kept, "other host's container kept");
 }
 
 /// Through the whole worker: the result carries output and exit code.
