@@ -1137,7 +1137,11 @@ fn apply_docker_options(spec: &mut ContainerSpec, payload: &str) -> Result<(), I
             _ => (word.clone(), None),
         };
         // Short options may carry their value glued on: -eK=V, -w/dir.
-        let (name, inline) = if !name.starts_with("--") && name.len() > 2 && name.starts_with('-') {
+        let (name, inline) = if !name.starts_with("--")
+            && name.starts_with('-')
+            && name.len() > 2
+            && name.is_char_boundary(2)
+        {
             (name[..2].to_string(), Some(name[2..].to_string()))
         } else {
             (name, inline)
@@ -1523,6 +1527,10 @@ mod tests {
         assert_eq!(c.memory, Some(64 * 1024 * 1024));
         assert_eq!(c.workdir.as_deref(), Some("/tmp"));
         for bad in [
+            // A multi-byte character right after the dash once panicked
+            // (slicing inside the character).
+            "-é",
+            "-éx",
             "--privileged",
             "-v /:/host",
             "--pid=host",

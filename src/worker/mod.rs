@@ -254,6 +254,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             cfg.docker_host.as_deref(),
             cfg.default_network.clone(),
             &id,
+            &cfg.name,
         ),
     };
     let available = runners.available().await;
@@ -269,6 +270,15 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             ok
         })
         .collect();
+    if types.contains(&TaskType::Container) {
+        let removed = runners.container.remove_leftovers().await;
+        if removed > 0 {
+            warn!(
+                containers = removed,
+                "removed containers left by workers of this host that are gone"
+            );
+        }
+    }
 
     let max_payload = client.server_info().max_payload;
     let output_cap = cfg

@@ -4,7 +4,10 @@
 mod cli;
 mod cli_worker;
 mod compose;
+mod container;
 mod core;
 mod faults;
+mod http;
+mod runner_ctx;
 mod soak;
 mod util;
