@@ -405,13 +405,19 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     }
     sh.abandon.cancel();
     background.cancel();
+    // A beat stuck on a dead connection must not hold up the exit.
+    hb.abort();
     let _ = hb.await;
-    if let Err(e) =
-        tokio::time::timeout(Duration::from_secs(5), sh.infra.workers.delete(&sh.id)).await
-    {
-        warn!("could not delete the heartbeat key: {e}");
+    // Cut off from NATS, the key cannot be deleted: it expires by itself.
+    let wait = if sh.conn.is_connected() {
+        Duration::from_secs(5)
+    } else {
+        Duration::from_millis(500)
+    };
+    if let Err(e) = tokio::time::timeout(wait, sh.infra.workers.delete(&sh.id)).await {
+        warn!("could not delete the heartbeat key ({e}); it expires after offline_after");
     }
-    let _ = tokio::time::timeout(Duration::from_secs(5), client.flush()).await;
+    let _ = tokio::time::timeout(wait, client.flush()).await;
     sh.watchdog.lock().unwrap().take();
     sh.runners.process.cleanup();
     info!(worker_id = %sh.id, "worker stopped");

@@ -662,7 +662,11 @@ async fn a_busy_worker_leases_no_more_than_its_slots() {
     }
     let stream = js.get_stream("TASKS").await.unwrap();
     let mut c: async_nats::jetstream::consumer::PullConsumer =
-        stream.get_consumer("label-default").await.unwrap();
+        wait_for(T, "the label's consumer", || {
+            let stream = stream.clone();
+            async move { stream.get_consumer("label-default").await.ok() }
+        })
+        .await;
     // While the first runs, only it is leased; the others wait in the stream
     // for any worker that is free.
     let deadline = std::time::Instant::now() + T;
