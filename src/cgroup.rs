@@ -6,7 +6,7 @@
 //!   `<own>/jetworker-worker` (the "no internal processes" rule), enables
 //!   the controllers in `<own>`, and creates `<own>/task-…` per task. This is
 //!   what `Delegate=yes` in the systemd unit allows.
-//! - cgroup v1 (legacy/hybrid): per controller, `<own>/jetworker-<pid>/task-…`.
+//! - cgroup v1 (legacy/hybrid): per controller, `<own>/jetworker-<pid>-<n>/task-…`.
 //!
 //! Never the worker's own cgroup: limits go to the task's. Where nothing is
 //! writable (most containers), [`Cgroups::detect`] returns `None` and tasks
@@ -19,6 +19,10 @@ use std::time::Duration;
 use crate::protocol::Limits;
 
 const CPU_PERIOD_US: u64 = 100_000;
+
+/// Tells apart the runners of one process (tests start several workers in
+/// one process), so that each owns its v1 parent: `jetworker-<pid>-<n>`.
+static INSTANCE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// Where task cgroups are made.
 #[derive(Debug, Clone)]
@@ -113,6 +117,7 @@ impl Cgroups {
 
     fn detect_v1(root: &Path) -> Result<Self, String> {
         let own = own_cgroups();
+        let instance = INSTANCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let place = |ctrl: &str| -> Option<PathBuf> {
             let path = own
                 .iter()
@@ -125,7 +130,7 @@ impl Cgroups {
             }
             let dir = mount
                 .join(path.trim_start_matches('/'))
-                .join(format!("jetworker-{}", std::process::id()));
+                .join(format!("jetworker-{}-{instance}", std::process::id()));
             std::fs::create_dir_all(&dir).ok()?;
             Some(dir)
         };
@@ -140,8 +145,7 @@ impl Cgroups {
         })
     }
 
-    /// Remove this worker's (empty) v1 parents on shutdown; a parent still
-    /// in use by another worker in this process is left alone.
+    /// Remove this worker's (empty) v1 parents on shutdown.
     pub fn cleanup(&self) {
         if let Cgroups::V1 { memory, pids, cpu } = self {
             for d in [memory, pids, cpu].into_iter().flatten() {
@@ -240,7 +244,7 @@ impl Cgroups {
     }
 
     /// Kill and remove task cgroups left by dead workers (v1: the
-    /// `jetworker-<pid>` parents of processes that are gone).
+    /// `jetworker-<pid>-<n>` parents of processes that are gone).
     pub fn reap_stale(&self) -> usize {
         let mut n = 0;
         let parents: Vec<PathBuf> = match self {
@@ -259,6 +263,7 @@ impl Cgroups {
                 let name = e.file_name().to_string_lossy().to_string();
                 let stale_parent = name
                     .strip_prefix("jetworker-")
+                    .and_then(|rest| rest.split('-').next())
                     .and_then(|pid| pid.parse::<i32>().ok())
                     .is_some_and(|pid| {
                         pid as u32 != std::process::id()

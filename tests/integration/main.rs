@@ -1,6 +1,7 @@
 //! One integration-test binary (ripgrep style): every test starts its own
 //! nats-server (see `util`) and real workers.
 
+mod auth;
 mod cli;
 mod cli_worker;
 mod compose;
