@@ -528,9 +528,24 @@ async fn container_leftovers_of_dead_workers_are_removed() {
     // (No assertion on the count: in a full test run, a worker that
     // another test starts on this host may get to the dead ones first.)
     runner.remove_leftovers().await;
-    let dead_gone = !exists(&docker, &dead_c).await;
+    // Another runner in this process may be removing the same container
+    // ("removal already in progress"): give that removal time to finish.
+    let gone_soon = |c: String| {
+        let docker = docker.clone();
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while exists(&docker, &c).await {
+                if std::time::Instant::now() > deadline {
+                    return false;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            true
+        }
+    };
+    let dead_gone = gone_soon(dead_c.clone()).await;
     let reused_gone = match &reused_c {
-        Some(c) => !exists(&docker, c).await,
+        Some(c) => gone_soon(c.clone()).await,
         None => true,
     };
     let live_kept = exists(&docker, &live_c).await;
