@@ -12,3 +12,4 @@ mod http;
 mod runner_ctx;
 mod soak;
 mod util;
+mod wire;
