@@ -5,7 +5,6 @@
 #![allow(dead_code)]
 
 use std::future::Future;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -21,14 +20,6 @@ pub fn nats_server_bin() -> PathBuf {
     std::env::var_os("NATS_SERVER_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("nats-server"))
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A private nats-server with JetStream.
@@ -49,7 +40,7 @@ impl NatsServer {
         let store = tempfile::tempdir().unwrap();
         let mut s = NatsServer {
             child: None,
-            port: free_port(),
+            port: 0,
             store,
             extra: config_lines.iter().map(|s| s.to_string()).collect(),
         };
@@ -57,11 +48,22 @@ impl NatsServer {
         s
     }
 
+    /// Start the server. The first time it picks its own port (`-1`) and
+    /// reports it in a ports file, so that parallel tests never race for
+    /// one; a restart reuses that port.
     fn spawn(&mut self) {
         let conf = self.store.path().join("server.conf");
+        let ports_dir = self.store.path().join("ports");
+        let _ = std::fs::remove_dir_all(&ports_dir);
+        std::fs::create_dir_all(&ports_dir).unwrap();
+        let port = if self.port == 0 {
+            "-1".to_string()
+        } else {
+            self.port.to_string()
+        };
         let mut text = format!(
-            "listen: 127.0.0.1:{}\njetstream {{ store_dir: \"{}\" }}\n",
-            self.port,
+            "listen: 127.0.0.1:{port}\nports_file_dir: \"{}\"\njetstream {{ store_dir: \"{}\" }}\n",
+            ports_dir.display(),
             self.store.path().join("js").display()
         );
         for l in &self.extra {
@@ -69,7 +71,7 @@ impl NatsServer {
             text.push('\n');
         }
         std::fs::write(&conf, text).unwrap();
-        let child = Command::new(nats_server_bin())
+        let mut child = Command::new(nats_server_bin())
             .arg("-c")
             .arg(&conf)
             .stdout(Stdio::null())
@@ -81,15 +83,35 @@ impl NatsServer {
                     nats_server_bin().display()
                 )
             });
-        self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
+        // The ports file appears once the server listens.
+        let port = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                panic!("nats-server exited at start ({st}); port {port}");
+            }
+            let found = std::fs::read_dir(&ports_dir).ok().and_then(|rd| {
+                rd.flatten().find_map(|e| {
+                    let text = std::fs::read_to_string(e.path()).ok()?;
+                    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+                    let url = v.get("nats")?.as_array()?.first()?.as_str()?.to_string();
+                    url.rsplit(':').next()?.parse::<u16>().ok()
+                })
+            });
+            if let Some(p) = found {
+                break p;
+            }
+            assert!(Instant::now() < deadline, "nats-server did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        self.port = port;
+        self.child = Some(child);
         while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
             assert!(
                 Instant::now() < deadline,
-                "nats-server did not start on port {}",
+                "nats-server did not accept on port {}",
                 self.port
             );
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
