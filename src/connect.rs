@@ -102,7 +102,10 @@ pub async fn connect_worker(
     // info (version, max_payload) is only there once connected.
     let start = std::time::Instant::now();
     let mut warned = false;
-    while client.connection_state() != async_nats::connection::State::Connected {
+    // The state can read Connected a moment before the INFO is stored.
+    while client.connection_state() != async_nats::connection::State::Connected
+        || client.server_info().version.is_empty()
+    {
         if !warned && start.elapsed() > Duration::from_secs(3) {
             tracing::warn!(servers = %cfg.servers.join(","), "waiting for NATS");
             warned = true;
