@@ -72,6 +72,13 @@ pub async fn connect_cli(cfg: &ConnectConfig) -> anyhow::Result<Client> {
         .connect(cfg.servers.clone())
         .await
         .with_context(|| format!("cannot connect to NATS at {}", cfg.servers.join(",")))?;
+    // The server's INFO (version, max_payload) may land a moment later.
+    for _ in 0..200 {
+        if !client.server_info().version.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     Ok(client)
 }
 
