@@ -125,8 +125,8 @@ fn command(v: &Variant) -> Command {
         Setup::Group => {
             cmd.process_group(0);
         }
-        Setup::Jetworker => configure(&mut cmd, None, ChildLimits::default()),
-        Setup::JetworkerLimits => configure(&mut cmd, None, LIMITS),
+        Setup::Jetworker => configure(&mut cmd, None, ChildLimits::default(), Vec::new()),
+        Setup::JetworkerLimits => configure(&mut cmd, None, LIMITS, Vec::new()),
         Setup::RunnerEnv => {
             cmd.env_clear().env("PATH", "/usr/local/bin:/usr/bin:/bin");
         }
