@@ -337,19 +337,8 @@ async fn labels_route_and_workers_share() {
     let _g = ProcWorker::start(&url, &["--labels", "gpu", "--name", "gpu"]);
     let js = srv.js().await;
     // Wait for all four heartbeats.
-    let kv = wait_for(T, "workers bucket", || async {
-        js.get_key_value("workers").await.ok()
-    })
-    .await;
     wait_for(T, "4 workers online", || async {
-        let keys: Vec<String> = kv
-            .keys()
-            .await
-            .ok()?
-            .filter_map(|k| async { k.ok() })
-            .collect()
-            .await;
-        (keys.len() == 4).then_some(())
+        (heartbeats(&js).await?.len() == 4).then_some(())
     })
     .await;
     for i in 0..30 {
@@ -394,24 +383,13 @@ async fn heartbeat_expires_after_sigkill() {
     let srv = NatsServer::start();
     let mut w = ProcWorker::start(&srv.url(), &[]);
     let js = srv.js().await;
-    let kv = wait_for(T, "workers bucket", || async {
-        js.get_key_value("workers").await.ok()
+    let hb = wait_for(T, "heartbeat", || async {
+        heartbeats(&js).await?.into_iter().next()
     })
     .await;
-    let key = wait_for(T, "heartbeat", || async {
-        let keys: Vec<String> = kv
-            .keys()
-            .await
-            .ok()?
-            .filter_map(|k| async { k.ok() })
-            .collect()
-            .await;
-        keys.into_iter().next()
-    })
-    .await;
-    let hb: jetworker::protocol::Heartbeat =
-        serde_json::from_slice(&kv.get(&key).await.unwrap().unwrap()).unwrap();
-    assert_eq!(hb.id, key);
+    let key = hb.id.clone();
+    let kv = js.get_key_value("workers").await.unwrap();
+    assert_eq!(kv.get(&key).await.unwrap().map(|_| ()), Some(()));
     assert_eq!(hb.pid as i32, w.pid());
     assert_eq!(hb.labels, vec!["default"]);
     let mut watch = kv.watch_all().await.unwrap();
@@ -440,10 +418,6 @@ async fn sigterm_drains_running_tasks() {
     let srv = NatsServer::start();
     let mut w = ProcWorker::start(&srv.url(), &["--slots", "2", "--drain-timeout", "20s"]);
     let js = srv.js().await;
-    let kv = wait_for(T, "workers bucket", || async {
-        js.get_key_value("workers").await.ok()
-    })
-    .await;
     for i in 0..2 {
         publish_task(
             &js,
@@ -460,16 +434,7 @@ async fn sigterm_drains_running_tasks() {
     .await;
     // Both running (heartbeat lists them), then SIGTERM.
     wait_for(T, "2 tasks running", || async {
-        let keys: Vec<String> = kv
-            .keys()
-            .await
-            .ok()?
-            .filter_map(|k| async { k.ok() })
-            .collect()
-            .await;
-        let v = kv.get(keys.first()?).await.ok()??;
-        let hb: jetworker::protocol::Heartbeat = serde_json::from_slice(&v).ok()?;
-        (hb.running == 2).then_some(())
+        (heartbeats(&js).await?.first()?.running == 2).then_some(())
     })
     .await;
     w.signal(Signal::SIGTERM);
@@ -481,14 +446,8 @@ async fn sigterm_drains_running_tasks() {
     // The queued task was not started and is still there for others.
     assert!(last_result(&js, "queued").await.is_none());
     assert_eq!(tasks_left(&js).await, 1);
-    let keys: Vec<String> = kv
-        .keys()
-        .await
-        .unwrap()
-        .filter_map(|k| async { k.ok() })
-        .collect()
-        .await;
-    assert!(keys.is_empty(), "heartbeat key removed: {keys:?}");
+    let left = heartbeats(&js).await.unwrap();
+    assert!(left.is_empty(), "heartbeat key removed: {left:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

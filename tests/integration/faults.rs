@@ -120,22 +120,8 @@ async fn nats_outage_results_wait_in_the_outbox() {
         .await;
     }
     // Wait until they run, then cut NATS off for 10 s.
-    let kv = wait_for(T, "workers bucket", || async {
-        js.get_key_value("workers").await.ok()
-    })
-    .await;
     wait_for(T, "3 running", || async {
-        use futures::StreamExt;
-        let keys: Vec<String> = kv
-            .keys()
-            .await
-            .ok()?
-            .filter_map(|k| async { k.ok() })
-            .collect()
-            .await;
-        let hb: jetworker::protocol::Heartbeat =
-            serde_json::from_slice(&kv.get(keys.first()?).await.ok()??).ok()?;
-        (hb.running == 3).then_some(())
+        (heartbeats(&js).await?.first()?.running == 3).then_some(())
     })
     .await;
     srv.stop();

@@ -379,6 +379,26 @@ pub async fn final_result(js: &jetstream::Context, id: &str, timeout: Duration) 
     .await
 }
 
+/// The heartbeats in KV `workers` (`None` until the bucket exists).
+pub async fn heartbeats(js: &jetstream::Context) -> Option<Vec<jetworker::protocol::Heartbeat>> {
+    use futures::StreamExt;
+    let kv = js.get_key_value("workers").await.ok()?;
+    let keys: Vec<String> = kv
+        .keys()
+        .await
+        .ok()?
+        .filter_map(|k| async { k.ok() })
+        .collect()
+        .await;
+    let mut out = Vec::new();
+    for k in keys {
+        if let Ok(Some(v)) = kv.get(&k).await {
+            out.push(serde_json::from_slice(&v).expect("heartbeat is valid JSON"));
+        }
+    }
+    Some(out)
+}
+
 /// Number of messages left in the TASKS stream.
 pub async fn tasks_left(js: &jetstream::Context) -> u64 {
     let mut s = js.get_stream("TASKS").await.unwrap();
