@@ -452,6 +452,14 @@ async fn start_up(cfg: &WorkerConfig, id: &str, conn: Arc<ConnState>) -> anyhow:
         ..Default::default()
     };
     let infra = setup::ensure_all(&js, &names, &opts).await?;
+    // The bucket's max age is the offline TTL for every worker; the first to
+    // create it (or `jetworker setup`) decides.
+    if let Ok(status) = infra.workers.status().await {
+        if status.max_age() != cfg.offline_after {
+            warn!(bucket_max_age = ?status.max_age(), offline_after = ?cfg.offline_after,
+                "the workers bucket exists with another offline TTL; it applies (change it with `jetworker setup --offline-after`)");
+        }
+    }
     let mut consumers = Vec::new();
     let mut ack_wait = cfg.ack_wait;
     for label in &cfg.labels {
