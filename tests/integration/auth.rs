@@ -1,4 +1,5 @@
-//! Connecting with credentials: token, user/password and nkey, against a
+//! Connecting with credentials: token, user/password, nkey and TLS (server
+//! and mutual, with certificates made in the test), against a
 //! server that requires them (the same settings serve the worker and every
 //! CLI subcommand).
 
@@ -71,4 +72,105 @@ async fn nkey_auth() {
         async_nats::ConnectOptions::with_nkey(seed),
     )
     .await;
+}
+
+/// A test CA and a certificate signed by it, as PEM files in `dir`.
+fn tls_files(dir: &std::path::Path) -> (std::path::PathBuf, [std::path::PathBuf; 4]) {
+    use rcgen::{
+        BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+        KeyUsagePurpose,
+    };
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf = |names: Vec<String>, usage: ExtendedKeyUsagePurpose| {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(names).unwrap();
+        p.extended_key_usages = vec![usage];
+        let cert = p.signed_by(&key, &issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(
+        vec!["localhost".into(), "127.0.0.1".into()],
+        ExtendedKeyUsagePurpose::ServerAuth,
+    );
+    let (client_cert, client_key) =
+        leaf(vec!["worker".into()], ExtendedKeyUsagePurpose::ClientAuth);
+    let ca = dir.join("ca.pem");
+    std::fs::write(&ca, ca_cert.pem()).unwrap();
+    let files = [
+        "server.pem",
+        "server-key.pem",
+        "client.pem",
+        "client-key.pem",
+    ]
+    .map(|n| dir.join(n));
+    for (f, text) in files
+        .iter()
+        .zip([server_cert, server_key, client_cert, client_key])
+    {
+        std::fs::write(f, text).unwrap();
+    }
+    (ca, files)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_and_mutual_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, [scert, skey, ccert, ckey]) = tls_files(dir.path());
+    // Server TLS: the worker verifies the server against --tls-ca.
+    let srv = NatsServer::start_with(&[&format!(
+        "tls {{ cert_file: \"{}\", key_file: \"{}\" }}",
+        scert.display(),
+        skey.display()
+    )]);
+    let client_opts = || {
+        async_nats::ConnectOptions::new()
+            .add_root_certificates(ca.clone())
+            .require_tls(true)
+    };
+    round_trip(&srv, &["--tls-ca", ca.to_str().unwrap()], client_opts()).await;
+    // Without the CA the server's certificate is not trusted: exit 2.
+    let out = std::process::Command::new(jetworker_bin())
+        .args(["workers", "--server", &srv.url()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    drop(srv);
+
+    // Mutual TLS: the server requires a client certificate from the CA.
+    let srv = NatsServer::start_with(&[&format!(
+        "tls {{ cert_file: \"{}\", key_file: \"{}\", ca_file: \"{}\", verify: true }}",
+        scert.display(),
+        skey.display(),
+        ca.display()
+    )]);
+    round_trip(
+        &srv,
+        &[
+            "--tls-ca",
+            ca.to_str().unwrap(),
+            "--tls-cert",
+            ccert.to_str().unwrap(),
+            "--tls-key",
+            ckey.to_str().unwrap(),
+        ],
+        client_opts().add_client_certificate(ccert.clone(), ckey.clone()),
+    )
+    .await;
+    // Without a client certificate the server refuses: exit 2.
+    let out = std::process::Command::new(jetworker_bin())
+        .args([
+            "workers",
+            "--server",
+            &srv.url(),
+            "--tls-ca",
+            ca.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
 }
