@@ -494,3 +494,36 @@ async fn per_task_cgroup_bounds_the_whole_tree() {
         "{r:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_lease_with_keep_lets_the_copy_finish() {
+    let mut srv = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let pidfile = dir.path().join("pid");
+    let _w = ProcWorker::start(&srv.url(), &["--ack-wait", "2s", "--on-lease-lost", "keep"]);
+    let js = srv.js().await;
+    publish_task(
+        &js,
+        "default",
+        &format!(
+            r#"{{"id":"kept","type":"shell","payload":"echo $$ > {}; sleep 6; echo finished $ATTEMPT"}}"#,
+            pidfile.display()
+        ),
+    )
+    .await;
+    let pid = read_pid(&pidfile).await;
+    srv.stop();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(pid_alive(pid), "keep: the copy runs on past the lost lease");
+    srv.restart();
+    let js = srv.js().await;
+    let first = wait_for(T, "the kept copy's result", || async {
+        all_results(&js, "kept")
+            .await
+            .into_iter()
+            .find(|r| r.attempt == 1)
+    })
+    .await;
+    assert_eq!(first.status, Status::Success, "{first:?}");
+    assert_eq!(first.output, "finished 1\n");
+}
