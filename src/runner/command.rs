@@ -14,7 +14,7 @@ use nix::sys::signal::Signal;
 use tokio::io::AsyncReadExt;
 use tokio::time::{sleep_until, Instant};
 
-use super::{Outcome, RunContext};
+use super::{timeout_reason, Outcome, RunContext};
 use crate::cgroup::Cgroups;
 use crate::output::{OutputSink, StreamKind};
 use crate::process::{self, ChildLimits, GroupRecords, TaskUser};
@@ -272,20 +272,9 @@ impl ProcessRunner {
         };
         let signal_name = signal.map(process::signal_name);
         let (status, error) = if stopped {
-            let reason = ctx
-                .stop
-                .reason()
-                .map(|r| r.1)
-                .unwrap_or_else(|| "cancelled".into());
-            (Status::Cancelled, Some(reason))
+            (Status::Cancelled, Some(ctx.stop.reason_text()))
         } else if timed_out {
-            (
-                Status::Timeout,
-                Some(format!(
-                    "timed out after {}",
-                    humantime::format_duration(ctx.timeout)
-                )),
-            )
+            (Status::Timeout, Some(timeout_reason(ctx.timeout)))
         } else {
             match &status {
                 Some(Ok(s)) if s.success() => (Status::Success, None),

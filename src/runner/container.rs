@@ -47,7 +47,7 @@ use futures::Stream;
 use futures::StreamExt;
 use tokio::time::{sleep_until, timeout, Instant};
 
-use super::{Outcome, RunContext};
+use super::{timeout_reason, Outcome, RunContext};
 use crate::output::{Captured, OutputSink, StreamKind};
 use crate::protocol::{format_size, ContainerSpec, PullPolicy, Status, TaskKind};
 
@@ -404,7 +404,7 @@ impl ContainerRunner {
         let pulled = tokio::select! {
             r = ensure_image(&docker, &spec.image, spec.pull) => r.map_err(|e| (Status::Failed, e)),
             _ = sleep_until(deadline) => Err((Status::Timeout, timeout_reason(ctx.timeout))),
-            _ = ctx.stop.fired() => Err((Status::Cancelled, stop_reason(&ctx))),
+            _ = ctx.stop.fired() => Err((Status::Cancelled, ctx.stop.reason_text())),
         };
         if let Err((status, error)) = pulled {
             cleanup.armed = false;
@@ -784,7 +784,7 @@ async fn supervise(
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let (status, error) = if stopped {
-        (Status::Cancelled, Some(stop_reason(ctx)))
+        (Status::Cancelled, Some(ctx.stop.reason_text()))
     } else if timed_out {
         (Status::Timeout, Some(timeout_reason(ctx.timeout)))
     } else {
@@ -847,17 +847,6 @@ fn oom_reason(exit_code: Option<i32>, memory: Option<u64>) -> String {
         ),
         None => format!("{code}killed by the out-of-memory killer (no memory limit set: the host ran out of memory)"),
     }
-}
-
-fn timeout_reason(d: Duration) -> String {
-    format!("timed out after {}", humantime::format_duration(d))
-}
-
-fn stop_reason(ctx: &RunContext) -> String {
-    ctx.stop
-        .reason()
-        .map(|r| r.1)
-        .unwrap_or_else(|| "cancelled".into())
 }
 
 fn clamp_i64(v: u64) -> i64 {

@@ -38,7 +38,7 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use reqwest::redirect;
 use tokio::time::{sleep_until, Instant};
 
-use super::{Outcome, RunContext};
+use super::{timeout_reason, Outcome, RunContext};
 use crate::output::{OutputSink, StreamKind};
 use crate::protocol::{HttpSpec, Status, TaskKind};
 
@@ -110,14 +110,8 @@ impl HttpRunner {
                 Ok(()) => (Status::Success, None),
                 Err(reason) => (Status::Failed, Some(reason)),
             },
-            _ = sleep_until(deadline) => (
-                Status::Timeout,
-                Some(format!("timed out after {}", humantime::format_duration(ctx.timeout))),
-            ),
-            _ = ctx.stop.fired() => (
-                Status::Cancelled,
-                Some(ctx.stop.reason().map(|r| r.1).unwrap_or_else(|| "cancelled".into())),
-            ),
+            _ = sleep_until(deadline) => (Status::Timeout, Some(timeout_reason(ctx.timeout))),
+            _ = ctx.stop.fired() => (Status::Cancelled, Some(ctx.stop.reason_text())),
         };
         Outcome {
             status,

@@ -59,6 +59,19 @@ impl Stop {
     pub fn reason(&self) -> Option<(StopKind, String)> {
         self.reason.get().cloned()
     }
+
+    /// The reason as a result's `error` text.
+    pub fn reason_text(&self) -> String {
+        self.reason
+            .get()
+            .map(|r| r.1.clone())
+            .unwrap_or_else(|| "cancelled".into())
+    }
+}
+
+/// The `error` text of a timed-out attempt, the same for every runner.
+pub fn timeout_reason(timeout: Duration) -> String {
+    format!("timed out after {}", humantime::format_duration(timeout))
 }
 
 /// Everything a runner needs besides the task itself.
