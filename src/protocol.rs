@@ -655,6 +655,16 @@ fn json_kind(v: &serde_json::Value) -> &'static str {
     }
 }
 
+/// A header value of a message, as text.
+pub fn header(h: Option<&async_nats::HeaderMap>, name: &str) -> Option<String> {
+    h?.get(name).map(|v| v.as_str().to_string())
+}
+
+/// A JetStream timestamp (the `time` crate's) as a chrono UTC time.
+pub fn chrono_time(t: time::OffsetDateTime) -> DateTime<Utc> {
+    DateTime::from_timestamp_nanos(t.unix_timestamp_nanos().clamp(0, i64::MAX as i128) as i64)
+}
+
 /// Format of a cron firing's scheduled time in its instance id.
 pub fn instance_time(t: DateTime<Utc>) -> String {
     t.format("%Y%m%dT%H%M%SZ").to_string()

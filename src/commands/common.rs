@@ -146,10 +146,7 @@ pub fn parse_result(bytes: &[u8]) -> anyhow::Result<TaskResult> {
     serde_json::from_slice(bytes).context("a result message is not valid result JSON")
 }
 
-/// A header value as text.
-pub fn header(h: Option<&HeaderMap>, name: &str) -> Option<String> {
-    h?.get(name).map(|v| v.as_str().to_string())
-}
+pub use crate::protocol::header;
 
 /// One message read by an [`OrderedReader`].
 pub struct Read {

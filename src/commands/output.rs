@@ -215,10 +215,7 @@ pub fn truncate(s: &str, max: usize) -> String {
     }
 }
 
-/// A JetStream timestamp (the `time` crate's) as a chrono UTC time.
-pub fn chrono_time(t: time::OffsetDateTime) -> DateTime<Utc> {
-    DateTime::from_timestamp_nanos(t.unix_timestamp_nanos().clamp(0, i64::MAX as i128) as i64)
-}
+pub use crate::protocol::chrono_time;
 
 /// A chrono UTC time as a JetStream (`time` crate) timestamp.
 pub fn js_time(t: DateTime<Utc>) -> time::OffsetDateTime {

@@ -38,14 +38,6 @@ enum Disposition {
     Nothing,
 }
 
-fn header<'a>(msg: &'a jetstream::Message, name: &str) -> Option<&'a str> {
-    msg.headers.as_ref()?.get(name).map(|v| v.as_str())
-}
-
-fn to_chrono(t: time::OffsetDateTime) -> Option<DateTime<Utc>> {
-    DateTime::from_timestamp(t.unix_timestamp(), t.nanosecond())
-}
-
 /// Handle one message; never panics, always answers the broker (except on
 /// a lost lease).
 pub async fn handle(sh: Arc<Shared>, label: String, msg: jetstream::Message) {
@@ -53,7 +45,7 @@ pub async fn handle(sh: Arc<Shared>, label: String, msg: jetstream::Message) {
         Ok(i) => (
             i.stream_sequence,
             i.delivered.max(1) as u32,
-            to_chrono(i.published),
+            Some(protocol::chrono_time(i.published)),
         ),
         Err(e) => {
             warn!("message without JetStream info ({e}); terminating it");
@@ -61,8 +53,11 @@ pub async fn handle(sh: Arc<Shared>, label: String, msg: jetstream::Message) {
             return;
         }
     };
-    let msg_id = header(&msg, async_nats::header::NATS_MESSAGE_ID.as_ref()).map(str::to_string);
-    let scheduler = header(&msg, HEADER_SCHEDULER).map(str::to_string);
+    let msg_id = protocol::header(
+        msg.headers.as_ref(),
+        async_nats::header::NATS_MESSAGE_ID.as_ref(),
+    );
+    let scheduler = protocol::header(msg.headers.as_ref(), HEADER_SCHEDULER);
     let env = Envelope {
         label: &label,
         msg_id: msg_id.as_deref(),
