@@ -26,10 +26,7 @@ async fn hello_by_hand() {
     assert_eq!(r.attempt, 1);
     assert!(r.worker_id.starts_with("test-"));
     // Acked: nothing left in the work queue.
-    wait_for(T, "queue to drain", || async {
-        (tasks_left(&js).await == 0).then_some(())
-    })
-    .await;
+    queue_drained(&js, T, "queue to drain").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -301,10 +298,7 @@ async fn failures_stop_after_max_attempts() {
     publish_task(&js, "default", r#"{"id":"never","type":"shell","retry":{"max_attempts":2,"backoff":"100ms"},"payload":"exit 1"}"#).await;
     let r = final_result(&js, "never", T).await;
     assert_eq!((r.status, r.attempt, r.is_final), (Status::Failed, 2, true));
-    wait_for(T, "queue to drain", || async {
-        (tasks_left(&js).await == 0).then_some(())
-    })
-    .await;
+    queue_drained(&js, T, "queue to drain").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

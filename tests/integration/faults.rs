@@ -98,10 +98,7 @@ async fn crash_between_result_and_ack_is_not_run_again() {
     assert_eq!(st.code(), Some(86), "the fault hook exits before the ack");
     assert_eq!(tasks_left(&js).await, 1, "not acked");
     let _b = ProcWorker::start(&srv.url(), &["--ack-wait", "2s"]);
-    wait_for(T, "the redelivery to be acked", || async {
-        (tasks_left(&js).await == 0).then_some(())
-    })
-    .await;
+    queue_drained(&js, T, "the redelivery to be acked").await;
     assert_eq!(std::fs::read_to_string(&runs).unwrap(), "run\n", "ran once");
     assert_eq!(all_results(&js, "once").await.len(), 1);
 }
@@ -133,10 +130,7 @@ async fn nats_outage_results_wait_in_the_outbox() {
         assert_eq!(r.status, Status::Success);
         assert_eq!(r.output, format!("{i}\n"));
     }
-    wait_for(T, "acks after the results", || async {
-        (tasks_left(&js).await == 0).then_some(())
-    })
-    .await;
+    queue_drained(&js, T, "acks after the results").await;
     for i in 0..3 {
         assert_eq!(
             all_results(&js, &format!("out{i}")).await.len(),
@@ -197,10 +191,7 @@ async fn outbox_survives_a_worker_restart() {
     let js = srv.js().await;
     let r = final_result(&js, "boxed", T).await;
     assert_eq!((r.status, r.output.as_str()), (Status::Success, "kept\n"));
-    wait_for(T, "the redelivery to be acked without running", || async {
-        (tasks_left(&js).await == 0).then_some(())
-    })
-    .await;
+    queue_drained(&js, T, "the redelivery to be acked without running").await;
     assert_eq!(all_results(&js, "boxed").await.len(), 1);
 }
 
@@ -276,10 +267,7 @@ async fn deliveries_past_max_attempts_go_dead() {
         .unwrap()
         .as_str()
         .contains("max_attempts"));
-    wait_for(T, "terminated", || async {
-        (tasks_left(&js).await == 0).then_some(())
-    })
-    .await;
+    queue_drained(&js, T, "terminated").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -320,10 +308,7 @@ async fn thousand_bad_among_thousand_good() {
         (d.info().await.ok()?.state.messages == 1000).then_some(())
     })
     .await;
-    wait_for(T, "queue empty", || async {
-        (tasks_left(&js).await == 0).then_some(())
-    })
-    .await;
+    queue_drained(&js, T, "queue empty").await;
     for i in (1..2000usize).step_by(2).take(50) {
         assert_eq!(
             last_result(&js, &format!("bad{i}")).await.unwrap().status,

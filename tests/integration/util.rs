@@ -405,6 +405,14 @@ pub async fn tasks_left(js: &jetstream::Context) -> u64 {
     s.info().await.unwrap().state.messages
 }
 
+/// Wait until the TASKS stream is empty: every task acked or terminated.
+pub async fn queue_drained(js: &jetstream::Context, timeout: Duration, what: &str) {
+    wait_for(timeout, what, || async {
+        (tasks_left(js).await == 0).then_some(())
+    })
+    .await
+}
+
 /// Whether a process with this pid exists (and is not a zombie).
 pub fn pid_alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
