@@ -1,14 +1,10 @@
 //! Helpers shared by the benches: settings from the environment, medians,
-//! the process's peak RSS, and a private nats-server (free port, temporary
-//! store, killed and removed on drop — the same logic as
-//! `tests/integration/util.rs`, which a bench cannot import).
+//! the process's peak RSS, and the integration tests' private nats-server
+//! (`tests/integration/util.rs`, included by path).
 
 #![allow(dead_code)]
 
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A positive number from the environment variable `name`, else `default`.
 pub fn env_usize(name: &str, default: usize) -> usize {
@@ -62,74 +58,11 @@ pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
-/// The nats-server binary: `NATS_SERVER_BIN`, else `nats-server` on PATH.
-pub fn nats_server_bin() -> PathBuf {
-    std::env::var_os("NATS_SERVER_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("nats-server"))
-}
+/// The integration tests' harness: a private nats-server that picks its own
+/// port, with a temporary store, killed and removed on drop.
+#[path = "../../tests/integration/util.rs"]
+mod util;
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A private nats-server with JetStream, killed (and its store removed) on
-/// drop.
-pub struct NatsServer {
-    child: Child,
-    pub port: u16,
-    _store: tempfile::TempDir,
-}
-
-impl NatsServer {
-    pub fn start() -> Self {
-        let store = tempfile::tempdir().unwrap();
-        let port = free_port();
-        let conf = store.path().join("server.conf");
-        let text = format!(
-            "listen: 127.0.0.1:{port}\njetstream {{ store_dir: \"{}\" }}\n",
-            store.path().join("js").display()
-        );
-        std::fs::write(&conf, text).unwrap();
-        let child = Command::new(nats_server_bin())
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot start nats-server ({}): {e}; set NATS_SERVER_BIN",
-                    nats_server_bin().display()
-                )
-            });
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "nats-server did not start on port {port}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        NatsServer {
-            child,
-            port,
-            _store: store,
-        }
-    }
-
-    pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+// Not every bench starts a server.
+#[allow(unused_imports)]
+pub use util::NatsServer;
