@@ -6,7 +6,6 @@
 //! plain strings; every value is converted here, so that a bad value from
 //! any source produces the same one-line [`ConfigError`] naming the setting.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -787,22 +786,6 @@ impl WorkerConfig {
             ..Default::default()
         };
         resolve_worker(&global, &run, FileConfig::default()).expect("default config is valid")
-    }
-
-    /// Settings shown in the startup log line.
-    pub fn summary(&self) -> BTreeMap<&'static str, String> {
-        let mut m = BTreeMap::new();
-        m.insert("labels", self.labels.join(","));
-        m.insert("slots", self.slots.to_string());
-        m.insert(
-            "types",
-            self.types
-                .iter()
-                .map(|t| t.as_str())
-                .collect::<Vec<_>>()
-                .join(","),
-        );
-        m
     }
 }
 

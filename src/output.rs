@@ -247,17 +247,8 @@ impl OutputSink {
         }
     }
 
-    /// Capture only (for messages the worker adds itself).
-    pub fn push_local(&mut self, data: &[u8]) {
-        self.capture.push(data);
-    }
-
     pub fn finish(&self) -> Captured {
         self.capture.finish()
-    }
-
-    pub fn total(&self) -> u64 {
-        self.capture.total()
     }
 }
 

@@ -263,8 +263,3 @@ pub fn signal_name(sig: i32) -> String {
         .map(|s| s.as_str().to_string())
         .unwrap_or_else(|_| format!("signal {sig}"))
 }
-
-/// Whether this process may change uid/gid.
-pub fn is_root() -> bool {
-    Uid::effective().is_root()
-}

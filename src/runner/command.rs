@@ -109,11 +109,6 @@ impl ProcessRunner {
         }
     }
 
-    /// Whether tasks get their own cgroup.
-    pub fn has_cgroups(&self) -> bool {
-        self.cgroups.is_some()
-    }
-
     pub async fn run(&self, ctx: RunContext) -> Outcome {
         let workdir = match tempfile::Builder::new()
             .prefix(&format!("{}-", ctx.task.id))

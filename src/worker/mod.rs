@@ -76,11 +76,6 @@ impl ConnState {
     }
 }
 
-/// A task running on this worker.
-struct Running {
-    stop: Stop,
-}
-
 /// State shared by every part of one worker.
 pub struct Shared {
     pub cfg: WorkerConfig,
@@ -101,7 +96,8 @@ pub struct Shared {
     pub max_payload: usize,
     /// The consumers' real ack wait (the smallest, if they differ).
     pub ack_wait: Duration,
-    running: Mutex<HashMap<String, Running>>,
+    /// Running tasks by id, with the handle that stops each.
+    running: Mutex<HashMap<String, Stop>>,
     counts: Mutex<BTreeMap<String, u64>>,
     pub outbox: outbox::Outbox,
     pub conn: Arc<ConnState>,
@@ -126,7 +122,7 @@ impl Shared {
         if m.contains_key(id) {
             return false;
         }
-        m.insert(id.to_string(), Running { stop });
+        m.insert(id.to_string(), stop);
         self.metrics.running.set(m.len() as i64);
         true
     }
@@ -141,7 +137,7 @@ impl Shared {
     fn stop_task(&self, id: &str, kind: StopKind, reason: &str) -> bool {
         match self.running.lock().unwrap().get(id) {
             Some(r) => {
-                r.stop.fire(kind, reason);
+                r.fire(kind, reason);
                 true
             }
             None => false,
@@ -151,7 +147,7 @@ impl Shared {
     fn stop_all(&self, kind: StopKind, reason: &str) -> usize {
         let m = self.running.lock().unwrap();
         for r in m.values() {
-            r.stop.fire(kind, reason);
+            r.fire(kind, reason);
         }
         m.len()
     }
