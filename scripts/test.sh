@@ -20,7 +20,7 @@ if ! command -v busybox >/dev/null 2>&1 && [ ! -x /bin/busybox ]; then
         apt-get update -qq >/dev/null
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static >/dev/null
     else
-        echo "note: busybox-static is not installed; container tests will say SKIPPED" >&2
+        echo "note: busybox-static is not installed; container tests will say SKIPPED (fail with JETWORKER_NO_SKIP=1)" >&2
     fi
 fi
 

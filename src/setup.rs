@@ -20,7 +20,9 @@ use crate::protocol::Names;
 /// defaults.
 #[derive(Debug, Clone)]
 pub struct SetupOptions {
-    pub replicas: usize,
+    /// Replicas of every stream and bucket created (or, with
+    /// `update_existing`, updated); `None`: [`auto_replicas`].
+    pub replicas: Option<usize>,
     pub storage: StorageType,
     /// RESULTS max age.
     pub results_max_age: Duration,
@@ -38,7 +40,7 @@ pub struct SetupOptions {
 impl Default for SetupOptions {
     fn default() -> Self {
         SetupOptions {
-            replicas: 1,
+            replicas: None,
             storage: StorageType::File,
             results_max_age: Duration::from_secs(7 * 24 * 3600),
             dead_max_age: Duration::ZERO,
@@ -46,6 +48,50 @@ impl Default for SetupOptions {
             cancel_max_age: Duration::from_secs(24 * 3600),
             update_existing: false,
         }
+    }
+}
+
+/// Most replicas a worker (or `jetworker setup` without `--replicas`)
+/// gives the streams and buckets it creates: three copies survive the loss
+/// of any one node, and more only slow every write down.
+pub const AUTO_MAX_REPLICAS: usize = 3;
+
+/// The replica count when nobody chose one: 1 on a single server,
+/// `min(3, servers in the cluster)` on a cluster. The servers are counted
+/// from the INFO of the server we are connected to (itself plus the other
+/// nodes' client URLs it advertises), so a cluster must be formed before
+/// the first worker starts, and a cluster that does not advertise its
+/// nodes (`no_advertise`) gets 1: run `jetworker setup --replicas 3` there.
+/// Streams that exist are never changed by this rule.
+pub fn auto_replicas(info: &async_nats::ServerInfo) -> usize {
+    if info.cluster.is_none() {
+        return 1;
+    }
+    let own = format!("{}:{}", info.host, info.port);
+    let mut servers: Vec<&str> = info.connect_urls.iter().map(String::as_str).collect();
+    servers.push(&own);
+    servers.sort_unstable();
+    servers.dedup();
+    // `connect_urls` lists this server too; 0.0.0.0 is not an address.
+    let count = servers
+        .iter()
+        .filter(|s| !s.starts_with("0.0.0.0:") && !s.starts_with("[::]:"))
+        .count();
+    count.clamp(1, AUTO_MAX_REPLICAS)
+}
+
+impl SetupOptions {
+    /// The replica count to use on the server `client` is connected to.
+    pub fn replicas_for(&self, client: &async_nats::Client) -> usize {
+        self.replicas
+            .unwrap_or_else(|| auto_replicas(&client.server_info()))
+    }
+
+    /// The replicas a config gets: [`ensure_all`] resolves `None` first
+    /// (with [`Self::replicas_for`]); a config built directly from
+    /// unresolved options gets 1.
+    fn num_replicas(&self) -> usize {
+        self.replicas.unwrap_or(1)
     }
 }
 
@@ -59,7 +105,7 @@ pub fn tasks_stream_config(names: &Names, o: &SetupOptions, schedules: bool) -> 
         ],
         retention: RetentionPolicy::WorkQueue,
         storage: o.storage,
-        num_replicas: o.replicas,
+        num_replicas: o.num_replicas(),
         duplicate_window: Duration::from_secs(120),
         allow_message_schedules: schedules,
         allow_rollup: schedules,
@@ -73,7 +119,7 @@ pub fn results_stream_config(names: &Names, o: &SetupOptions) -> StreamConfig {
         subjects: vec![format!("{}.>", names.results_prefix)],
         retention: RetentionPolicy::Limits,
         storage: o.storage,
-        num_replicas: o.replicas,
+        num_replicas: o.num_replicas(),
         max_age: o.results_max_age,
         allow_direct: true,
         duplicate_window: Duration::from_secs(120),
@@ -88,7 +134,7 @@ pub fn dead_stream_config(names: &Names, o: &SetupOptions) -> StreamConfig {
         subjects: vec![format!("{}.>", names.dead_prefix)],
         retention: RetentionPolicy::Limits,
         storage: o.storage,
-        num_replicas: o.replicas,
+        num_replicas: o.num_replicas(),
         max_age: o.dead_max_age,
         allow_direct: true,
         duplicate_window: Duration::from_secs(120),
@@ -168,7 +214,7 @@ pub async fn ensure_kv(
         history: 1,
         max_age,
         storage: o.storage,
-        num_replicas: o.replicas,
+        num_replicas: o.num_replicas(),
         limit_markers: markers,
         ..Default::default()
     };
@@ -257,11 +303,24 @@ pub struct Infra {
     pub cancel: kv::Store,
 }
 
+/// Create or check everything; replicas chosen once for all of it
+/// ([`SetupOptions::replicas_for`]).
 pub async fn ensure_all(
     js: &jetstream::Context,
     names: &Names,
     o: &SetupOptions,
 ) -> anyhow::Result<Infra> {
+    let replicas = o.replicas_for(&js.client());
+    if o.replicas.is_none() && replicas > 1 {
+        tracing::debug!(
+            replicas,
+            "clustered server: new streams get {replicas} replicas"
+        );
+    }
+    let o = &SetupOptions {
+        replicas: Some(replicas),
+        ..o.clone()
+    };
     Ok(Infra {
         tasks: ensure_tasks_stream(js, names, o).await?,
         results: ensure_stream(js, results_stream_config(names, o), o.update_existing).await?,

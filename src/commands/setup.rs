@@ -21,9 +21,10 @@ pub enum Storage {
 
 #[derive(Debug, Clone, Args)]
 pub struct SetupArgs {
-    /// Replicas of every stream and bucket (clustered servers: 1, 3 or 5).
-    #[arg(long, default_value_t = 1)]
-    pub replicas: usize,
+    /// Replicas of every stream and bucket (clustered servers: 1, 3 or 5);
+    /// default: 1 on a single server, min(3, cluster size) on a cluster.
+    #[arg(long)]
+    pub replicas: Option<usize>,
     /// Storage of every stream and bucket.
     #[arg(long, value_enum, default_value = "file")]
     pub storage: Storage,
@@ -47,7 +48,7 @@ fn duration(flag: &str, v: &str) -> anyhow::Result<std::time::Duration> {
 }
 
 pub async fn run(ctx: &super::Ctx, args: SetupArgs) -> anyhow::Result<Exit> {
-    if !(1..=5).contains(&args.replicas) {
+    if args.replicas.is_some_and(|r| !(1..=5).contains(&r)) {
         anyhow::bail!("--replicas: must be 1 to 5");
     }
     let offline_after = duration("offline-after", &args.offline_after)?;

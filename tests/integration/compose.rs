@@ -31,8 +31,8 @@ fn compose_available() -> bool {
 #[test]
 fn compose_scaled_workers_share_tasks() {
     if !docker_available() || !compose_available() {
-        eprintln!(
-            "SKIPPED: compose_scaled_workers_share_tasks needs a Docker Engine and docker-compose"
+        crate::util::skip(
+            "compose_scaled_workers_share_tasks needs a Docker Engine and docker-compose",
         );
         return;
     }

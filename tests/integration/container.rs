@@ -1,8 +1,8 @@
 //! `container` tasks against the machine's Docker Engine, with an image
 //! built offline by the test setup (a busybox-static rootfs imported
 //! through the Engine API; no registry is reachable). Where no engine
-//! answers, each test prints `SKIPPED: no Docker Engine` and returns; CI
-//! has one, so there they run.
+//! answers, each test prints `SKIPPED: no Docker Engine` and returns, or
+//! fails with `JETWORKER_NO_SKIP=1` (set in CI, which has one).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -45,18 +45,18 @@ async fn engine() -> Option<Docker> {
     let docker = match Docker::connect_with_defaults() {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("SKIPPED: no Docker Engine ({e})");
+            crate::util::skip(&format!("no Docker Engine ({e})"));
             return None;
         }
     };
     match tokio::time::timeout(Duration::from_secs(5), docker.negotiate_version()).await {
         Ok(Ok(d)) => Some(d),
         Ok(Err(e)) => {
-            eprintln!("SKIPPED: no Docker Engine ({e})");
+            crate::util::skip(&format!("no Docker Engine ({e})"));
             None
         }
         Err(_) => {
-            eprintln!("SKIPPED: no Docker Engine (no answer within 5s)");
+            crate::util::skip("no Docker Engine (no answer within 5s)");
             None
         }
     }
@@ -68,7 +68,9 @@ async fn setup() -> Option<Docker> {
     match IMAGE.get_or_init(|| build_image(docker.clone())).await {
         Ok(Built::Yes) => Some(docker),
         Ok(Built::NoBusybox) => {
-            eprintln!("SKIPPED: no busybox-static to build {TEST_IMAGE} (install busybox-static)");
+            crate::util::skip(&format!(
+                "no busybox-static to build {TEST_IMAGE} (install busybox-static)"
+            ));
             None
         }
         Err(e) => panic!("cannot build the test image {TEST_IMAGE}: {e}"),

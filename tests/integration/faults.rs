@@ -407,7 +407,7 @@ async fn resource_limits_are_enforced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tasks_run_as_the_task_user() {
     if !nix::unistd::Uid::effective().is_root() {
-        eprintln!("SKIPPED: tasks_run_as_the_task_user needs root");
+        skip("tasks_run_as_the_task_user needs root");
         return;
     }
     let srv = NatsServer::start();
@@ -428,9 +428,9 @@ async fn tasks_run_as_the_task_user() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_task_cgroup_bounds_the_whole_tree() {
     if let Err(why) = jetworker::cgroup::Cgroups::detect() {
-        eprintln!(
-            "SKIPPED: per_task_cgroup_bounds_the_whole_tree: no writable cgroup tree ({why})"
-        );
+        skip(&format!(
+            "per_task_cgroup_bounds_the_whole_tree: no writable cgroup tree ({why})"
+        ));
         return;
     }
     let srv = NatsServer::start();

@@ -314,7 +314,7 @@ async fn http_memory_probe() {
     assert_eq!(run().await.output.total_bytes, BIG as u64);
     // Reset the peak ("5" → VmHWM := VmRSS), then measure the peak.
     if std::fs::write("/proc/self/clear_refs", "5").is_err() {
-        eprintln!("SKIPPED: cannot reset peak RSS (/proc/self/clear_refs)");
+        crate::util::skip("cannot reset peak RSS (/proc/self/clear_refs)");
         return;
     }
     let before = status_kib("VmRSS");

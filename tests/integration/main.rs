@@ -4,6 +4,8 @@
 mod auth;
 mod cli;
 mod cli_worker;
+mod cluster;
+mod cluster_util;
 mod compose;
 mod container;
 mod core;

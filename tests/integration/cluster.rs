@@ -1,0 +1,513 @@
+//! jetworker on a 3-node JetStream cluster (issue 10): the replica rule,
+//! and failure drills. Each drill runs 3 worker processes (connected to the
+//! whole server list) under a steady load of short tasks plus some long
+//! ones, breaks the cluster mid-load (a stream leader, the node a worker is
+//! connected to, the meta leader, a rolling restart, quorum loss, the
+//! RESULTS leader moving), and ends with the invariants of
+//! [`Drill::finish`]: every task published has exactly one final result and
+//! it is the last record, the queue drains, no worker exited, and no task
+//! ran twice (or two copies at once) unless its history shows a lost lease.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, message::PublishMessage};
+use tokio_util::sync::CancellationToken;
+
+use crate::cluster_util::*;
+use crate::util::*;
+
+/// Timeout of each wait in a drill.
+const T: Duration = Duration::from_secs(30);
+/// Short tasks published per second during a drill.
+const RATE: u64 = 8;
+/// One task in this many is a long one (2 s).
+const LONG_EVERY: u64 = 12;
+
+/// A free loopback port for a worker's metrics endpoint.
+fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// GET `path` on a worker's metrics endpoint: the status code.
+async fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
+        .await
+        .ok()?
+        .ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut out = String::new();
+    tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut out))
+        .await
+        .ok()?
+        .ok()?;
+    out.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// One drill at a time: each is a 3-node cluster, three workers and a load,
+/// as much as a 2-core machine carries beside the rest of the suite.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A cluster, three workers, a load generator and the files the task
+/// script writes.
+struct Drill {
+    cluster: NatsCluster,
+    workers: Vec<ProcWorker>,
+    /// Each worker's `/readyz` address.
+    metrics: Vec<SocketAddr>,
+    js: jetstream::Context,
+    /// `runs` (one line `<id> <start ns>` per run) and `overlaps` (ids seen
+    /// running twice at once, by flock), and one lock file per id.
+    dir: tempfile::TempDir,
+    /// Ids whose publish was acknowledged by the stream.
+    published: Arc<Mutex<Vec<String>>>,
+    stop_load: CancellationToken,
+    load: Option<tokio::task::JoinHandle<()>>,
+    started: Instant,
+    /// Last, so that it is released after the cluster and workers are gone.
+    _turn: tokio::sync::MutexGuard<'static, ()>,
+}
+
+impl Drill {
+    /// A 3-node cluster, three workers, the load running; returns once
+    /// the first results are in.
+    async fn start(name: &str) -> Drill {
+        let turn = ONE_AT_A_TIME.lock().await;
+        let cluster = NatsCluster::start(3).await;
+        let servers = cluster.server_list();
+        let metrics: Vec<SocketAddr> = (0..3).map(|_| free_addr()).collect();
+        let workers = metrics
+            .iter()
+            .enumerate()
+            .map(|(i, addr)| {
+                ProcWorker::start(
+                    &servers,
+                    &[
+                        "--name",
+                        &format!("w{i}"),
+                        "--slots",
+                        "3",
+                        "--ack-wait",
+                        "8s",
+                        "--metrics-addr",
+                        &addr.to_string(),
+                    ],
+                )
+            })
+            .collect();
+        let js = cluster.js().await;
+        wait_for(T, "TASKS stream", || async {
+            js.get_stream("TASKS").await.ok()
+        })
+        .await;
+        let mut d = Drill {
+            _turn: turn,
+            cluster,
+            workers,
+            metrics,
+            js,
+            dir: tempfile::tempdir().unwrap(),
+            published: Arc::default(),
+            stop_load: CancellationToken::new(),
+            load: None,
+            started: Instant::now(),
+        };
+        d.wait_workers_ready().await;
+        d.load = Some(tokio::spawn(load(
+            d.js.clone(),
+            d.dir.path().to_path_buf(),
+            format!("{name}-"),
+            d.published.clone(),
+            d.stop_load.clone(),
+        )));
+        d.wait_results(5).await;
+        d
+    }
+
+    /// Wait until at least `n` more tasks than now have a final result.
+    async fn wait_results(&self, n: usize) {
+        let runs = self.dir.path().join("runs");
+        let count = || {
+            std::fs::read_to_string(&runs)
+                .map(|t| t.lines().count())
+                .unwrap_or(0)
+        };
+        let target = count() + n;
+        wait_for(T, &format!("{n} more task runs"), || async {
+            (count() >= target).then_some(())
+        })
+        .await;
+    }
+
+    async fn wait_workers_ready(&self) {
+        for (i, addr) in self.metrics.iter().enumerate() {
+            wait_for(T, &format!("worker {i} /readyz 200"), || async {
+                (http_status(*addr, "/readyz").await == Some(200)).then_some(())
+            })
+            .await;
+        }
+    }
+
+    /// Every worker process is still running.
+    fn assert_workers_alive(&mut self) {
+        for (i, w) in self.workers.iter_mut().enumerate() {
+            assert!(
+                w.child.try_wait().unwrap().is_none(),
+                "worker {i} exited during the drill"
+            );
+        }
+    }
+
+    /// Stop the load, wait for every published task to finish and check
+    /// the invariants.
+    async fn finish(mut self) {
+        self.stop_load.cancel();
+        self.load.take().unwrap().await.unwrap();
+        let ids = self.published.lock().unwrap().clone();
+        assert!(ids.len() >= 20, "too little load: {} tasks", ids.len());
+        let js = &self.js.clone();
+        for id in &ids {
+            final_result(js, id, T).await;
+        }
+        queue_drained(js, T, "TASKS to drain").await;
+        self.assert_workers_alive();
+
+        let runs_text = std::fs::read_to_string(self.dir.path().join("runs")).unwrap_or_default();
+        let mut runs: HashMap<&str, usize> = HashMap::new();
+        for l in runs_text.lines() {
+            *runs.entry(l.split(' ').next().unwrap()).or_default() += 1;
+        }
+        let overlaps =
+            std::fs::read_to_string(self.dir.path().join("overlaps")).unwrap_or_default();
+        let mut problems = Vec::new();
+        for id in &ids {
+            let history = all_results(js, id).await;
+            let finals = history.iter().filter(|r| r.is_final).count();
+            if finals != 1 || !history.last().is_some_and(|r| r.is_final) {
+                problems.push(format!(
+                    "{id}: {finals} final results, last final: {}; history {:?}",
+                    history.last().is_some_and(|r| r.is_final),
+                    summary(&history)
+                ));
+            }
+            // A second run (or two copies at once) is allowed only where
+            // the history shows that a lease was lost: a non-final record
+            // or more than one attempt.
+            let lease_lost =
+                history.iter().any(|r| !r.is_final) || history.iter().any(|r| r.attempt > 1);
+            let n = runs.get(id.as_str()).copied().unwrap_or(0);
+            if n == 0 {
+                problems.push(format!("{id}: final result but no run recorded"));
+            }
+            if n > 1 && !lease_lost {
+                problems.push(format!(
+                    "{id}: ran {n} times without a lost lease; history {:?}",
+                    summary(&history)
+                ));
+            }
+            if overlaps.lines().any(|l| l == id) && !lease_lost {
+                problems.push(format!(
+                    "{id}: two copies ran at once; history {:?}",
+                    summary(&history)
+                ));
+            }
+        }
+        assert!(
+            problems.is_empty(),
+            "{} of {} tasks broke the invariants:\n{}",
+            problems.len(),
+            ids.len(),
+            problems.join("\n")
+        );
+        eprintln!(
+            "drill: {} tasks, {} runs, {:?}",
+            ids.len(),
+            runs_text.lines().count(),
+            self.started.elapsed()
+        );
+    }
+}
+
+/// (status, final, attempt, worker) of each record, for messages.
+fn summary(h: &[jetworker::protocol::TaskResult]) -> Vec<String> {
+    h.iter()
+        .map(|r| {
+            format!(
+                "{}{} a{} {}",
+                r.status,
+                if r.is_final { "(final)" } else { "" },
+                r.attempt,
+                r.worker_id
+            )
+        })
+        .collect()
+}
+
+/// Publish [`RATE`] tasks a second until `stop`: short ones, and a 2 s one
+/// every [`LONG_EVERY`]. Each publish carries its id as `Nats-Msg-Id` and is
+/// retried until the stream acknowledges it (the dedup window makes a
+/// retry harmless), so that an election only pauses the load. The task
+/// script records each run and, by flock, two copies running at once.
+async fn load(
+    js: jetstream::Context,
+    dir: PathBuf,
+    prefix: String,
+    published: Arc<Mutex<Vec<String>>>,
+    stop: CancellationToken,
+) {
+    let d = dir.display();
+    let mut tick = tokio::time::interval(Duration::from_millis(1000 / RATE));
+    for n in 0u64.. {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let id = format!("{prefix}{n}");
+        let sleep = if n % LONG_EVERY == LONG_EVERY - 1 {
+            "2"
+        } else {
+            "0.05"
+        };
+        let script = format!(
+            "exec 9>>{d}/$SCHEDULE_INSTANCE_ID.lock; flock -n 9 || echo $SCHEDULE_INSTANCE_ID >> {d}/overlaps; \
+             echo \"$SCHEDULE_INSTANCE_ID $(date +%s%N)\" >> {d}/runs; sleep {sleep}"
+        );
+        let body = serde_json::json!({"id": id, "type": "shell", "payload": script}).to_string();
+        loop {
+            let m = PublishMessage::build()
+                .payload(body.clone().into())
+                .message_id(&id);
+            let acked = match js.send_publish("tasks.default", m).await {
+                Ok(ack) => ack.await.is_ok(),
+                Err(_) => false,
+            };
+            if acked {
+                published.lock().unwrap().push(id);
+                break;
+            }
+            if stop.is_cancelled() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Start times (ns since the epoch) of the runs in `runs`.
+fn run_starts(dir: &std::path::Path) -> Vec<u128> {
+    std::fs::read_to_string(dir.join("runs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(1)?.parse().ok())
+        .collect()
+}
+
+fn now_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_create_r3_on_a_3_node_cluster_and_r1_on_one_server() {
+    let cluster = NatsCluster::start(3).await;
+    let _w = ProcWorker::start(&cluster.server_list(), &[]);
+    let js = cluster.js().await;
+    wait_for(T, "the cancel bucket", || async {
+        js.get_stream("KV_cancel").await.ok()
+    })
+    .await;
+    let mut got = BTreeMap::new();
+    for s in ["TASKS", "RESULTS", "DEAD", "KV_workers", "KV_cancel"] {
+        got.insert(s, replicas_of(&js, s).await);
+    }
+    assert!(got.values().all(|&r| r == 3), "{got:?}");
+
+    let one = NatsServer::start();
+    let _w1 = ProcWorker::start(&one.url(), &[]);
+    let js1 = one.js().await;
+    wait_for(T, "the cancel bucket", || async {
+        js1.get_stream("KV_cancel").await.ok()
+    })
+    .await;
+    assert_eq!(replicas_of(&js1, "TASKS").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_replicas_3_and_workers_keep_it() {
+    let cluster = NatsCluster::start(3).await;
+    let out = std::process::Command::new(jetworker_bin())
+        .args([
+            "setup",
+            "--replicas",
+            "3",
+            "--server",
+            &cluster.server_list(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let js = cluster.js().await;
+    for s in ["TASKS", "RESULTS", "DEAD", "KV_workers", "KV_cancel"] {
+        assert_eq!(replicas_of(&js, s).await, 3, "{s}");
+    }
+    // R3 asked of fewer nodes than that is an error, not a silent R1.
+    let one = NatsServer::start();
+    let out = std::process::Command::new(jetworker_bin())
+        .args(["setup", "--replicas", "3", "--server", &one.url()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_kill_tasks_stream_leader() {
+    let mut d = Drill::start("tl").await;
+    let (leader, _) = stream_leader(&d.js, "TASKS").await.unwrap();
+    let i = d.cluster.index_of(&leader);
+    d.cluster.kill(i);
+    wait_stream_leader(&d.js, "TASKS", Some(&leader), T).await;
+    d.wait_results(10).await;
+    d.cluster.restart(i);
+    d.cluster.wait_ready(T).await;
+    d.wait_results(5).await;
+    d.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_kill_the_node_a_worker_is_connected_to() {
+    let mut d = Drill::start("wn").await;
+    let i = wait_for(T, "worker w0's connection", || async {
+        d.cluster.node_of_connection("w0-")
+    })
+    .await;
+    d.cluster.kill(i);
+    // w0 reconnects to a survivor and keeps taking work.
+    wait_for(T, "w0 on another node", || async {
+        d.cluster.node_of_connection("w0-").filter(|&j| j != i)
+    })
+    .await;
+    d.wait_results(10).await;
+    d.cluster.restart(i);
+    d.cluster.wait_ready(T).await;
+    d.wait_results(5).await;
+    d.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_kill_the_meta_leader() {
+    let mut d = Drill::start("ml").await;
+    let leader = d.cluster.wait_ready(T).await;
+    let i = d.cluster.index_of(&leader);
+    d.cluster.kill(i);
+    d.cluster.wait_new_meta_leader(&leader, T).await;
+    d.wait_results(10).await;
+    d.cluster.restart(i);
+    d.cluster.wait_ready(T).await;
+    d.wait_results(5).await;
+    d.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_rolling_restart() {
+    let mut d = Drill::start("rr").await;
+    for i in 0..3 {
+        d.cluster.kill(i);
+        d.wait_results(3).await;
+        d.cluster.restart(i);
+        d.cluster.wait_ready(T).await;
+        // The restarted node has caught up on the task stream before the
+        // next one goes.
+        wait_for(T, "TASKS replicas current", || async {
+            stream_leader(&d.js, "TASKS")
+                .await
+                .filter(|(_, current)| *current == 2)
+        })
+        .await;
+    }
+    d.wait_results(5).await;
+    d.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_lose_two_of_three_nodes() {
+    let mut d = Drill::start("q").await;
+    d.cluster.kill(1);
+    d.cluster.kill(2);
+    let lost_at = Instant::now();
+    // No quorum: every worker says it is not ready, and none exits.
+    for (i, addr) in d.metrics.clone().iter().enumerate() {
+        wait_for(T, &format!("worker {i} /readyz not 200"), || async {
+            (http_status(*addr, "/readyz")
+                .await
+                .is_some_and(|s| s != 200))
+            .then_some(())
+        })
+        .await;
+    }
+    // No new work starts once the stream leaders are gone (after a grace
+    // for deliveries already on their way).
+    let grace = Duration::from_secs(3).saturating_sub(lost_at.elapsed());
+    tokio::time::sleep(grace).await;
+    let quiet_from = now_ns();
+    let window = Instant::now();
+    while window.elapsed() < Duration::from_secs(4) {
+        d.assert_workers_alive();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let started: Vec<u128> = run_starts(d.dir.path())
+        .into_iter()
+        .filter(|&t| t > quiet_from)
+        .collect();
+    assert!(
+        started.is_empty(),
+        "{} tasks started without a quorum",
+        started.len()
+    );
+    d.cluster.restart(1);
+    d.cluster.wait_ready(T).await;
+    d.wait_workers_ready().await;
+    d.wait_results(10).await;
+    d.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drill_results_leader_moves_while_publishing() {
+    let mut d = Drill::start("rl").await;
+    for _ in 0..3 {
+        let (old, _) = stream_leader(&d.js, "RESULTS").await.unwrap();
+        // Account users may ask a stream leader to step down.
+        let r =
+            d.js.client()
+                .request("$JS.API.STREAM.LEADER.STEPDOWN.RESULTS", "".into())
+                .await
+                .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+        assert!(v.get("error").is_none(), "stepdown refused: {v}");
+        wait_stream_leader(&d.js, "RESULTS", Some(&old), T).await;
+        d.wait_results(6).await;
+    }
+    // And once the hard way: its node dies with PubAcks in flight.
+    let (old, _) = stream_leader(&d.js, "RESULTS").await.unwrap();
+    let i = d.cluster.index_of(&old);
+    d.cluster.kill(i);
+    wait_stream_leader(&d.js, "RESULTS", Some(&old), T).await;
+    d.wait_results(6).await;
+    d.cluster.restart(i);
+    d.cluster.wait_ready(T).await;
+    d.finish().await;
+}
