@@ -197,6 +197,11 @@ impl NatsCluster {
         self.urls().join(",")
     }
 
+    /// Node `i`'s process id while it runs.
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.nodes[i].child.as_ref().map(Child::id)
+    }
+
     pub fn is_up(&self, i: usize) -> bool {
         self.nodes[i].child.is_some()
     }

@@ -119,6 +119,12 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// The server's process id while it runs (benches read its CPU and
+    /// memory from /proc).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Kill the server (SIGKILL), keeping its store.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
