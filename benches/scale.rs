@@ -20,14 +20,11 @@
 //! `NATS_SERVER_BIN`). Settings: `SCALE_TASKS` (1500 per worker run),
 //! `SCALE_IDLE` (1000 pullers), `SCALE_CEIL` (20000 messages).
 
-// The integration tests' harnesses, at this crate's root as they expect.
-#[allow(dead_code)]
+mod common;
+// The integration tests' cluster harness, which finds `util` at the root.
 #[path = "../tests/integration/cluster_util.rs"]
 mod cluster_util;
-mod common;
-#[allow(dead_code)]
-#[path = "../tests/integration/util.rs"]
-mod util;
+use common::util;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -213,7 +210,7 @@ async fn start_pullers(
         let label = label.to_string();
         tokio::spawn(async move {
             let stream = js.get_stream("TASKS").await.unwrap();
-            let consumer: pull::Consumer<pull::Config> = stream
+            let consumer: jetstream::consumer::PullConsumer = stream
                 .get_consumer(&Names::default().consumer_name(&label))
                 .await
                 .unwrap();
@@ -311,7 +308,7 @@ async fn ceiling(d: &Deployment, m: usize, batch: usize) -> f64 {
     let label = format!("ceil{batch}");
     let names = Names::default();
     let stream = d.js.get_stream("TASKS").await.unwrap();
-    let consumer: pull::Consumer<pull::Config> = stream
+    let consumer: jetstream::consumer::PullConsumer = stream
         .create_consumer(pull::Config {
             durable_name: Some(names.consumer_name(&label)),
             filter_subjects: names.label_filters(&label),
@@ -356,9 +353,7 @@ async fn ceiling(d: &Deployment, m: usize, batch: usize) -> f64 {
     for p in pullers {
         p.await.unwrap();
     }
-    // The acks are published; the stream is empty once they are applied.
-    let rate = m as f64 / t0.elapsed().as_secs_f64();
-    rate
+    m as f64 / t0.elapsed().as_secs_f64()
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -237,12 +237,13 @@ if [ "$CLUSTER" = 1 ]; then
             sleep 0.5
         done
         finals="$(grep -c '"final":true' "$TMP/$id.jsonl")"
-        records="$(wc -l <"$TMP/$id.jsonl" | tr -d ' ')"
         runs=0
         [ -f "$RUNS/$id" ] && runs="$(wc -l <"$RUNS/$id" | tr -d ' ')"
-        # Another attempt in the history: a lease was lost (the killed worker's).
+        # A second claim or a later attempt in the history: a lease was lost
+        # (the killed worker's).
+        claims="$(grep -c '"status":"running"' "$TMP/$id.jsonl" || true)"
         retried=0
-        if [ "$records" -gt 1 ] || grep -q '"attempt":\([2-9]\|[1-9][0-9]\)' "$TMP/$id.jsonl"; then
+        if [ "$claims" -gt 1 ] || grep -q '"attempt":\([2-9]\|[1-9][0-9]\)' "$TMP/$id.jsonl"; then
             retried=1
         fi
         why=""

@@ -56,13 +56,19 @@ impl Default for SetupOptions {
 /// of any one node, and more only slow every write down.
 pub const AUTO_MAX_REPLICAS: usize = 3;
 
+/// How long a worker that is about to create the streams waits for a
+/// forming cluster to advertise all its nodes (the server updates its INFO
+/// as routes come up) before it settles for fewer replicas.
+const FORMING_WAIT: Duration = Duration::from_secs(5);
+
 /// The replica count when nobody chose one: 1 on a single server,
 /// `min(3, servers in the cluster)` on a cluster. The servers are counted
 /// from the INFO of the server we are connected to (itself plus the other
-/// nodes' client URLs it advertises), so a cluster must be formed before
-/// the first worker starts, and a cluster that does not advertise its
-/// nodes (`no_advertise`) gets 1: run `jetworker setup --replicas 3` there.
-/// Streams that exist are never changed by this rule.
+/// nodes' client URLs it advertises), so the cluster should be formed
+/// before the first worker starts ([`SetupOptions::resolve_replicas`]
+/// waits up to [`FORMING_WAIT`] for it), and a cluster that does not
+/// advertise its nodes (`no_advertise`) gets 1: run `jetworker setup
+/// --replicas 3` there. Streams that exist are never changed by this rule.
 pub fn auto_replicas(info: &async_nats::ServerInfo) -> usize {
     if info.cluster.is_none() {
         return 1;
@@ -81,14 +87,35 @@ pub fn auto_replicas(info: &async_nats::ServerInfo) -> usize {
 }
 
 impl SetupOptions {
-    /// The replica count to use on the server `client` is connected to.
-    pub fn replicas_for(&self, client: &async_nats::Client) -> usize {
-        self.replicas
-            .unwrap_or_else(|| auto_replicas(&client.server_info()))
+    /// The replica count to create with: the chosen one, else
+    /// [`auto_replicas`] — after waiting up to [`FORMING_WAIT`] for a
+    /// cluster that advertises fewer than 3 nodes, if the task stream does
+    /// not exist yet (a cluster still forming), so that the first worker
+    /// does not create R1 streams on a cluster of three.
+    pub async fn resolve_replicas(&self, js: &jetstream::Context, names: &Names) -> usize {
+        if let Some(r) = self.replicas {
+            return r;
+        }
+        let client = js.client();
+        let now = auto_replicas(&client.server_info());
+        if client.server_info().cluster.is_none()
+            || now >= AUTO_MAX_REPLICAS
+            || js.get_stream(&names.tasks_stream).await.is_ok()
+        {
+            return now;
+        }
+        let deadline = tokio::time::Instant::now() + FORMING_WAIT;
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let r = auto_replicas(&client.server_info());
+            if r >= AUTO_MAX_REPLICAS || tokio::time::Instant::now() >= deadline {
+                return r;
+            }
+        }
     }
 
     /// The replicas a config gets: [`ensure_all`] resolves `None` first
-    /// (with [`Self::replicas_for`]); a config built directly from
+    /// (with [`Self::resolve_replicas`]); a config built directly from
     /// unresolved options gets 1.
     fn num_replicas(&self) -> usize {
         self.replicas.unwrap_or(1)
@@ -304,13 +331,13 @@ pub struct Infra {
 }
 
 /// Create or check everything; replicas chosen once for all of it
-/// ([`SetupOptions::replicas_for`]).
+/// ([`SetupOptions::resolve_replicas`]).
 pub async fn ensure_all(
     js: &jetstream::Context,
     names: &Names,
     o: &SetupOptions,
 ) -> anyhow::Result<Infra> {
-    let replicas = o.replicas_for(&js.client());
+    let replicas = o.resolve_replicas(js, names).await;
     if o.replicas.is_none() && replicas > 1 {
         tracing::debug!(
             replicas,

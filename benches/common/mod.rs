@@ -61,7 +61,7 @@ pub fn reset_peak_rss() -> bool {
 /// The integration tests' harness: a private nats-server that picks its own
 /// port, with a temporary store, killed and removed on drop.
 #[path = "../../tests/integration/util.rs"]
-mod util;
+pub mod util;
 
 // Not every bench starts a server.
 #[allow(unused_imports)]

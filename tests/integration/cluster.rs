@@ -5,8 +5,9 @@
 //! connected to, the meta leader, a rolling restart, quorum loss, the
 //! RESULTS leader moving), and ends with the invariants of
 //! [`Drill::finish`]: every task published has exactly one final result and
-//! it is the last record, the queue drains, no worker exited, and no task
-//! ran twice (or two copies at once) unless its history shows a lost lease.
+//! it is the last record, the queue drains, no worker exited, every run was
+//! claimed (`running` record) first, no task ran twice unless its history
+//! shows a lost lease, and no two copies ever ran at once.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -15,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, message::PublishMessage};
+use jetworker::protocol::Status;
 use tokio_util::sync::CancellationToken;
 
 use crate::cluster_util::*;
@@ -190,7 +192,8 @@ impl Drill {
             std::fs::read_to_string(self.dir.path().join("overlaps")).unwrap_or_default();
         let mut problems = Vec::new();
         for id in &ids {
-            let history = all_results(js, id).await;
+            // Every record, the `running` claims included (DESIGN.md 5).
+            let history = all_records(js, id).await;
             let finals = history.iter().filter(|r| r.is_final).count();
             if finals != 1 || !history.last().is_some_and(|r| r.is_final) {
                 problems.push(format!(
@@ -199,11 +202,14 @@ impl Drill {
                     summary(&history)
                 ));
             }
-            // A second run (or two copies at once) is allowed only where
-            // the history shows that a lease was lost: a non-final record
-            // or more than one attempt.
-            let lease_lost =
-                history.iter().any(|r| !r.is_final) || history.iter().any(|r| r.attempt > 1);
+            // A second run is allowed only where the history shows that a
+            // lease was lost: a second claim (a takeover, or a claim after
+            // a hand-back) or a later attempt.
+            let claims = history
+                .iter()
+                .filter(|r| r.status == Status::Running)
+                .count();
+            let lease_lost = claims > 1 || history.iter().any(|r| r.attempt > 1);
             let n = runs.get(id.as_str()).copied().unwrap_or(0);
             if n == 0 {
                 problems.push(format!("{id}: final result but no run recorded"));
@@ -214,7 +220,16 @@ impl Drill {
                     summary(&history)
                 ));
             }
-            if overlaps.lines().any(|l| l == id) && !lease_lost {
+            // Each run was claimed first.
+            if n > claims {
+                problems.push(format!(
+                    "{id}: ran {n} times on {claims} claims; history {:?}",
+                    summary(&history)
+                ));
+            }
+            // Never two copies at once, lost lease or not (the worker
+            // stops its copy before the lease can pass to another).
+            if overlaps.lines().any(|l| l == id) {
                 problems.push(format!(
                     "{id}: two copies ran at once; history {:?}",
                     summary(&history)

@@ -265,12 +265,38 @@ impl NatsCluster {
         leader.filter(|l| self.is_up(self.index_of(l)))
     }
 
-    /// Wait until the running nodes agree on a running meta leader.
+    /// Whether every running node has routes to every other running node
+    /// (then each advertises all of them to its clients).
+    pub fn routes_complete(&self) -> bool {
+        let up: Vec<usize> = (0..self.nodes.len()).filter(|&i| self.is_up(i)).collect();
+        up.iter().all(|&i| {
+            let Some(routez) = self.monitor(i, "/routez") else {
+                return false;
+            };
+            let mut peers: Vec<&str> = routez
+                .get("routes")
+                .and_then(|r| r.as_array())
+                .map(|rs| {
+                    rs.iter()
+                        .filter_map(|r| r.get("remote_name")?.as_str())
+                        .collect()
+                })
+                .unwrap_or_default();
+            peers.sort_unstable();
+            peers.dedup();
+            up.iter()
+                .filter(|&&j| j != i)
+                .all(|&j| peers.contains(&self.nodes[j].name.as_str()))
+        })
+    }
+
+    /// Wait until the running nodes are fully routed and agree on a running
+    /// meta leader.
     pub async fn wait_ready(&self, timeout: Duration) -> String {
         wait_for(
             timeout,
-            "a meta leader all running nodes agree on",
-            || async { self.meta_leader() },
+            "routes and a meta leader all running nodes agree on",
+            || async { self.meta_leader().filter(|_| self.routes_complete()) },
         )
         .await
     }
