@@ -28,6 +28,8 @@ const T: Duration = Duration::from_secs(30);
 const RATE: u64 = 8;
 /// One task in this many is a long one (2 s).
 const LONG_EVERY: u64 = 12;
+/// The workers' `--ack-wait`.
+const ACK_WAIT: &str = "8s";
 
 /// A free loopback port for a worker's metrics endpoint.
 fn free_addr() -> SocketAddr {
@@ -99,7 +101,7 @@ impl Drill {
                         "--slots",
                         "3",
                         "--ack-wait",
-                        "8s",
+                        ACK_WAIT,
                         "--metrics-addr",
                         &addr.to_string(),
                     ],
@@ -184,9 +186,11 @@ impl Drill {
         self.assert_workers_alive();
 
         let runs_text = std::fs::read_to_string(self.dir.path().join("runs")).unwrap_or_default();
-        let mut runs: HashMap<&str, usize> = HashMap::new();
+        // Start times (ns) of each id's runs.
+        let mut starts: HashMap<&str, Vec<u128>> = HashMap::new();
         for l in runs_text.lines() {
-            *runs.entry(l.split(' ').next().unwrap()).or_default() += 1;
+            let (id, t) = l.split_once(' ').unwrap();
+            starts.entry(id).or_default().push(t.parse().unwrap_or(0));
         }
         let overlaps =
             std::fs::read_to_string(self.dir.path().join("overlaps")).unwrap_or_default();
@@ -210,7 +214,8 @@ impl Drill {
                 .filter(|r| r.status == Status::Running)
                 .count();
             let lease_lost = claims > 1 || history.iter().any(|r| r.attempt > 1);
-            let n = runs.get(id.as_str()).copied().unwrap_or(0);
+            let id_starts = starts.get(id.as_str()).cloned().unwrap_or_default();
+            let n = id_starts.len();
             if n == 0 {
                 problems.push(format!("{id}: final result but no run recorded"));
             }
@@ -230,8 +235,13 @@ impl Drill {
             // Never two copies at once, lost lease or not (the worker
             // stops its copy before the lease can pass to another).
             if overlaps.lines().any(|l| l == id) {
+                let first = id_starts.first().copied().unwrap_or(0);
+                let offsets: Vec<String> = id_starts
+                    .iter()
+                    .map(|t| format!("+{:.2}s", t.saturating_sub(first) as f64 / 1e9))
+                    .collect();
                 problems.push(format!(
-                    "{id}: two copies ran at once; history {:?}",
+                    "{id}: two copies ran at once (runs started at {offsets:?}; ack wait {ACK_WAIT}); history {:?}",
                     summary(&history)
                 ));
             }
@@ -525,4 +535,61 @@ async fn drill_results_leader_moves_while_publishing() {
     d.cluster.restart(i);
     d.cluster.wait_ready(T).await;
     d.finish().await;
+}
+
+/// The plan for a hot label (DESIGN.md, "Scaling"): its own task stream,
+/// configured with `[names]`, whose leader can sit on another node than
+/// TASKS; results stay in the one RESULTS stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_label_in_its_own_stream_with_its_own_leader() {
+    let cluster = NatsCluster::start(3).await;
+    let servers = cluster.server_list();
+    let conf = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        conf.path(),
+        "[names]\ntasks_stream = \"TASKS_HOT\"\ntasks_prefix = \"hot\"\nschedules_prefix = \"hotschedules\"\n",
+    )
+    .unwrap();
+    let _plain = ProcWorker::start(&servers, &[]);
+    let _hot = ProcWorker::start(
+        &servers,
+        &["--config", conf.path().to_str().unwrap(), "--labels", "gpu"],
+    );
+    let js = cluster.js().await;
+    for s in ["TASKS", "TASKS_HOT"] {
+        wait_for(T, s, || async { js.get_stream(s).await.ok() }).await;
+    }
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"plain","type":"shell","payload":"echo plain"}"#,
+    )
+    .await;
+    publish_raw(
+        &js,
+        "hot.gpu",
+        r#"{"id":"hot","type":"shell","payload":"echo hot"}"#.into(),
+        None,
+    )
+    .await;
+    assert_eq!(final_result(&js, "plain", T).await.output, "plain\n");
+    let hot = final_result(&js, "hot", T).await;
+    assert_eq!((hot.output.as_str(), hot.label.as_str()), ("hot\n", "gpu"));
+    assert_eq!(replicas_of(&js, "TASKS_HOT").await, 3);
+    // Leaders are placed by the meta leader; ask the hot stream's to step
+    // down until it sits elsewhere (account users may).
+    let apart = wait_for(T, "TASKS_HOT led by another node than TASKS", || async {
+        let (a, _) = stream_leader(&js, "TASKS").await?;
+        let (b, _) = stream_leader(&js, "TASKS_HOT").await?;
+        if a != b {
+            return Some((a, b));
+        }
+        let _ = js
+            .client()
+            .request("$JS.API.STREAM.LEADER.STEPDOWN.TASKS_HOT", "".into())
+            .await;
+        None
+    })
+    .await;
+    eprintln!("leaders: TASKS on {}, TASKS_HOT on {}", apart.0, apart.1);
 }
