@@ -9,8 +9,9 @@
 //!   the worker's own idle loop (`fetch().max_messages(1).expires(2s)`,
 //!   over 100 connections): the server's CPU and resident memory per
 //!   puller (from /proc, against the same connections without pullers) and
-//!   pull requests per second; and how many pulls the consumer refuses
-//!   with the default `max_waiting` (512).
+//!   pull requests per second, with the server's default `max_waiting`
+//!   (512: how many pulls it refuses) and with the worker's
+//!   (`setup::MAX_WAITING_PULLS`).
 //! - **ceiling**: one consumer on one stream leader, no task run at all:
 //!   M messages pre-published to `tasks.ceil`, then 4 pullers fetch in
 //!   batches of 1 and of 64 and ack each message (WorkQueue: the ack
@@ -398,5 +399,5 @@ async fn main() {
         }
     }
     idle(idle_n, None).await;
-    idle(idle_n, Some(4096)).await;
+    idle(idle_n, Some(jetworker::setup::MAX_WAITING_PULLS)).await;
 }

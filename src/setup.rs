@@ -287,6 +287,13 @@ pub async fn ensure_cancel_kv(
     ensure_kv(js, &names.cancel_bucket, o.cancel_max_age, None, o).await
 }
 
+/// Pull requests a label's consumer keeps waiting at once: each idle
+/// worker keeps one per label, and the server's default (512) refuses the
+/// rest with 409, so past 512 idle workers on a label they would spin on
+/// refusals (benches/scale.rs: 1,000 idle pullers cost ~14 KiB and 0.005 %
+/// of a core each at the server with room for all of them).
+pub const MAX_WAITING_PULLS: i64 = 4096;
+
 /// The durable consumer of one label, shared by all its workers.
 pub async fn ensure_label_consumer(
     stream: &Stream,
@@ -303,6 +310,7 @@ pub async fn ensure_label_consumer(
         ack_wait,
         max_deliver: -1,
         max_ack_pending: 10_000,
+        max_waiting: MAX_WAITING_PULLS,
         ..Default::default()
     };
     let mut last_err = None;
