@@ -113,6 +113,8 @@ impl Drill {
             js.get_stream("TASKS").await.ok()
         })
         .await;
+        // The workers made it with 3 replicas (else a kill loses tasks).
+        assert_eq!(replicas_of(&js, "TASKS").await, 3);
         let mut d = Drill {
             _turn: turn,
             cluster,
@@ -137,7 +139,7 @@ impl Drill {
         d
     }
 
-    /// Wait until at least `n` more tasks than now have a final result.
+    /// Wait until at least `n` more task runs than now have started.
     async fn wait_results(&self, n: usize) {
         let runs = self.dir.path().join("runs");
         let count = || {
@@ -592,4 +594,29 @@ async fn a_hot_label_in_its_own_stream_with_its_own_leader() {
     })
     .await;
     eprintln!("leaders: TASKS on {}, TASKS_HOT on {}", apart.0, apart.1);
+}
+
+/// Opt-in long drill: a node killed and restarted every few seconds, the
+/// next one each time, under load for `CLUSTER_SOAK_SECS` (default 120),
+/// then the invariants of [`Drill::finish`]. Run with
+/// `cargo test --release --test integration cluster::soak -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: minutes of node kills; run explicitly"]
+async fn soak_node_kills_under_load() {
+    let secs: u64 = std::env::var("CLUSTER_SOAK_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(120);
+    let mut d = Drill::start("soak").await;
+    let until = Instant::now() + Duration::from_secs(secs);
+    let mut i = 0;
+    while Instant::now() < until {
+        d.cluster.kill(i);
+        d.wait_results(5).await;
+        d.cluster.restart(i);
+        d.cluster.wait_ready(T).await;
+        d.wait_results(5).await;
+        i = (i + 1) % 3;
+    }
+    d.finish().await;
 }
