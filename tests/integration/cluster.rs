@@ -69,7 +69,7 @@ struct Drill {
     /// Each worker's `/readyz` address.
     metrics: Vec<SocketAddr>,
     js: jetstream::Context,
-    /// `runs` (one line `<id> <start ns>` per run) and `overlaps` (ids seen
+    /// `runs` (one line `<id> <start ns> <ATTEMPT>` per run) and `overlaps` (ids seen
     /// running twice at once, by flock), and one lock file per id.
     dir: tempfile::TempDir,
     /// Ids whose publish was acknowledged by the stream.
@@ -141,12 +141,7 @@ impl Drill {
 
     /// Wait until at least `n` more task runs than now have started.
     async fn wait_results(&self, n: usize) {
-        let runs = self.dir.path().join("runs");
-        let count = || {
-            std::fs::read_to_string(&runs)
-                .map(|t| t.lines().count())
-                .unwrap_or(0)
-        };
+        let count = || read_runs(self.dir.path()).len();
         let target = count() + n;
         wait_for(T, &format!("{n} more task runs"), || async {
             (count() >= target).then_some(())
@@ -187,12 +182,10 @@ impl Drill {
         queue_drained(js, T, "TASKS to drain").await;
         self.assert_workers_alive();
 
-        let runs_text = std::fs::read_to_string(self.dir.path().join("runs")).unwrap_or_default();
-        // Start times (ns) of each id's runs.
-        let mut starts: HashMap<&str, Vec<u128>> = HashMap::new();
-        for l in runs_text.lines() {
-            let (id, t) = l.split_once(' ').unwrap();
-            starts.entry(id).or_default().push(t.parse().unwrap_or(0));
+        let all_runs = read_runs(self.dir.path());
+        let mut starts: HashMap<&str, Vec<&Run>> = HashMap::new();
+        for r in &all_runs {
+            starts.entry(r.id.as_str()).or_default().push(r);
         }
         let overlaps =
             std::fs::read_to_string(self.dir.path().join("overlaps")).unwrap_or_default();
@@ -218,32 +211,36 @@ impl Drill {
             let lease_lost = claims > 1 || history.iter().any(|r| r.attempt > 1);
             let id_starts = starts.get(id.as_str()).cloned().unwrap_or_default();
             let n = id_starts.len();
+            // "+<seconds after the first run> a<ATTEMPT>" of each run.
+            let first = id_starts.first().map_or(0, |r| r.start_ns);
+            let runs_at: Vec<String> = id_starts
+                .iter()
+                .map(|r| {
+                    let after = r.start_ns.saturating_sub(first) as f64 / 1e9;
+                    format!("+{after:.2}s a{}", r.attempt)
+                })
+                .collect();
             if n == 0 {
                 problems.push(format!("{id}: final result but no run recorded"));
             }
             if n > 1 && !lease_lost {
                 problems.push(format!(
-                    "{id}: ran {n} times without a lost lease; history {:?}",
+                    "{id}: ran {n} times without a lost lease (runs {runs_at:?}); history {:?}",
                     summary(&history)
                 ));
             }
             // Each run was claimed first.
             if n > claims {
                 problems.push(format!(
-                    "{id}: ran {n} times on {claims} claims; history {:?}",
+                    "{id}: ran {n} times on {claims} claims (runs {runs_at:?}); history {:?}",
                     summary(&history)
                 ));
             }
             // Never two copies at once, lost lease or not (the worker
             // stops its copy before the lease can pass to another).
             if overlaps.lines().any(|l| l == id) {
-                let first = id_starts.first().copied().unwrap_or(0);
-                let offsets: Vec<String> = id_starts
-                    .iter()
-                    .map(|t| format!("+{:.2}s", t.saturating_sub(first) as f64 / 1e9))
-                    .collect();
                 problems.push(format!(
-                    "{id}: two copies ran at once (runs started at {offsets:?}; ack wait {ACK_WAIT}); history {:?}",
+                    "{id}: two copies ran at once (runs {runs_at:?}; ack wait {ACK_WAIT}); history {:?}",
                     summary(&history)
                 ));
             }
@@ -258,7 +255,7 @@ impl Drill {
         eprintln!(
             "drill: {} tasks, {} runs, {:?}",
             ids.len(),
-            runs_text.lines().count(),
+            all_runs.len(),
             self.started.elapsed()
         );
     }
@@ -306,7 +303,7 @@ async fn load(
         };
         let script = format!(
             "exec 9>>{d}/$SCHEDULE_INSTANCE_ID.lock; flock -n 9 || echo $SCHEDULE_INSTANCE_ID >> {d}/overlaps; \
-             echo \"$SCHEDULE_INSTANCE_ID $(date +%s%N)\" >> {d}/runs; sleep {sleep}"
+             echo \"$SCHEDULE_INSTANCE_ID $(date +%s%N) $ATTEMPT\" >> {d}/runs; sleep {sleep}"
         );
         let body = serde_json::json!({"id": id, "type": "shell", "payload": script}).to_string();
         loop {
@@ -330,11 +327,28 @@ async fn load(
 }
 
 /// Start times (ns since the epoch) of the runs in `runs`.
-fn run_starts(dir: &std::path::Path) -> Vec<u128> {
+/// One line of the `runs` file the task script appends to.
+struct Run {
+    id: String,
+    /// Start time, ns since the epoch.
+    start_ns: u128,
+    /// `$ATTEMPT` of the run.
+    attempt: String,
+}
+
+/// The runs so far, in the order they started.
+fn read_runs(dir: &std::path::Path) -> Vec<Run> {
     std::fs::read_to_string(dir.join("runs"))
         .unwrap_or_default()
         .lines()
-        .filter_map(|l| l.split(' ').nth(1)?.parse().ok())
+        .filter_map(|l| {
+            let mut f = l.split(' ');
+            Some(Run {
+                id: f.next()?.to_string(),
+                start_ns: f.next()?.parse().ok()?,
+                attempt: f.next().unwrap_or("?").to_string(),
+            })
+        })
         .collect()
 }
 
@@ -496,9 +510,9 @@ async fn drill_lose_two_of_three_nodes() {
         d.assert_workers_alive();
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let started: Vec<u128> = run_starts(d.dir.path())
+    let started: Vec<Run> = read_runs(d.dir.path())
         .into_iter()
-        .filter(|&t| t > quiet_from)
+        .filter(|r| r.start_ns > quiet_from)
         .collect();
     assert!(
         started.is_empty(),
