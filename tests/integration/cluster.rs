@@ -179,7 +179,16 @@ impl Drill {
         for id in &ids {
             final_result(js, id, T).await;
         }
-        queue_drained(js, T, "TASKS to drain").await;
+        let deadline = Instant::now() + T;
+        while tasks_left(js).await > 0 {
+            if Instant::now() > deadline {
+                panic!(
+                    "TASKS did not drain in {T:?}; left:\n{}",
+                    leftover_tasks(js).await.join("\n")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         self.assert_workers_alive();
 
         let all_runs = read_runs(self.dir.path());
@@ -259,6 +268,25 @@ impl Drill {
             self.started.elapsed()
         );
     }
+}
+
+/// The messages left in TASKS: sequence, subject, id and that id's records.
+async fn leftover_tasks(js: &jetstream::Context) -> Vec<String> {
+    let mut stream = js.get_stream("TASKS").await.unwrap();
+    let state = stream.info().await.unwrap().state.clone();
+    let mut out = Vec::new();
+    for seq in state.first_sequence..=state.last_sequence {
+        let Ok(m) = stream.get_raw_message(seq).await else {
+            continue;
+        };
+        let id = serde_json::from_slice::<serde_json::Value>(&m.payload)
+            .ok()
+            .and_then(|v| v.get("id")?.as_str().map(String::from))
+            .unwrap_or_default();
+        let history = summary(&all_records(js, &id).await);
+        out.push(format!("seq {seq} {} id {id}: {history:?}", m.subject));
+    }
+    out
 }
 
 /// (status, final, attempt, worker) of each record, for messages.
@@ -418,7 +446,7 @@ async fn setup_replicas_3_and_workers_keep_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drill_kill_tasks_stream_leader() {
     let mut d = Drill::start("tl").await;
-    let (leader, _) = stream_leader(&d.js, "TASKS").await.unwrap();
+    let leader = wait_stream_leader(&d.js, "TASKS", None, T).await;
     let i = d.cluster.index_of(&leader);
     d.cluster.kill(i);
     wait_stream_leader(&d.js, "TASKS", Some(&leader), T).await;
@@ -530,7 +558,7 @@ async fn drill_lose_two_of_three_nodes() {
 async fn drill_results_leader_moves_while_publishing() {
     let mut d = Drill::start("rl").await;
     for _ in 0..3 {
-        let (old, _) = stream_leader(&d.js, "RESULTS").await.unwrap();
+        let old = wait_stream_leader(&d.js, "RESULTS", None, T).await;
         // Account users may ask a stream leader to step down.
         let r =
             d.js.client()
@@ -543,7 +571,7 @@ async fn drill_results_leader_moves_while_publishing() {
         d.wait_results(6).await;
     }
     // And once the hard way: its node dies with PubAcks in flight.
-    let (old, _) = stream_leader(&d.js, "RESULTS").await.unwrap();
+    let old = wait_stream_leader(&d.js, "RESULTS", None, T).await;
     let i = d.cluster.index_of(&old);
     d.cluster.kill(i);
     wait_stream_leader(&d.js, "RESULTS", Some(&old), T).await;
