@@ -230,36 +230,55 @@ enum Fault {
     Cut(usize, Duration),
     /// Blackhole proxied worker k's link for a while.
     Blackhole(usize, Duration),
+    /// Cut proxied worker k's link, SIGKILL the worker while it holds
+    /// results it could not deliver, restart it on its state directory
+    /// (its outbox replays) and heal the link.
+    CutKill(usize, Duration),
     /// SIGKILL nats-server and start it again on its store.
     ServerRestart,
 }
 
 /// The fault schedule for a seed: (pause before, fault), long enough for
-/// any run; one server restart among the first few faults.
+/// any run. The first five faults are one of each kind in a seeded order
+/// (so every run drives each of them once the tasks take long enough),
+/// with the server restart among them; the rest are drawn at random.
 fn schedule(seed: u64) -> Vec<(Duration, Fault)> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let restart_at = rng.random_range(2..6);
-    (0..2000)
-        .map(|i| {
-            let gap = Duration::from_millis(rng.random_range(1000..3000));
-            let fault = if i == restart_at {
-                Fault::ServerRestart
-            } else {
-                match rng.random_range(0..10) {
-                    0..4 => Fault::Kill(rng.random_range(0..WORKERS)),
-                    4..7 => Fault::Cut(
-                        rng.random_range(1..WORKERS),
-                        Duration::from_millis(rng.random_range(500..6000)),
-                    ),
-                    _ => Fault::Blackhole(
-                        rng.random_range(1..WORKERS),
-                        Duration::from_millis(rng.random_range(1000..7000)),
-                    ),
-                }
-            };
-            (gap, fault)
-        })
-        .collect()
+    let random_fault = |rng: &mut StdRng, kind: u32| match kind {
+        0 => Fault::Kill(rng.random_range(0..WORKERS)),
+        1 => Fault::Cut(
+            rng.random_range(1..WORKERS),
+            Duration::from_millis(rng.random_range(500..6000)),
+        ),
+        2 => Fault::Blackhole(
+            rng.random_range(1..WORKERS),
+            Duration::from_millis(rng.random_range(1000..7000)),
+        ),
+        _ => Fault::CutKill(
+            rng.random_range(1..WORKERS),
+            Duration::from_millis(rng.random_range(1000..4000)),
+        ),
+    };
+    let mut first: Vec<Fault> = (0..4).map(|k| random_fault(&mut rng, k)).collect();
+    first.push(Fault::ServerRestart);
+    for i in (1..first.len()).rev() {
+        first.swap(i, rng.random_range(0..=i));
+    }
+    let mut out: Vec<(Duration, Fault)> = Vec::new();
+    for f in first {
+        out.push((Duration::from_millis(rng.random_range(1000..3000)), f));
+    }
+    while out.len() < 2000 {
+        let kind = match rng.random_range(0..10) {
+            0..3 => 0,
+            3..5 => 1,
+            5..8 => 2,
+            _ => 3,
+        };
+        let f = random_fault(&mut rng, kind);
+        out.push((Duration::from_millis(rng.random_range(1000..3000)), f));
+    }
+    out
 }
 
 /// Worker 0 talks to the server directly; the others through a proxy.
@@ -478,7 +497,8 @@ async fn run_history(default_tasks: usize) {
     let published = plan.messages.len();
     let publisher = tokio::spawn(publish_all(js.clone(), plan.messages, rate));
     let deadline = t0 + Duration::from_secs(90) + Duration::from_millis(40 * n as u64);
-    let (mut kills, mut cuts, mut blackholes, mut restarts, mut replayed) = (0, 0, 0, 0, 0);
+    let (mut kills, mut cuts, mut blackholes, mut restarts) = (0, 0, 0, 0);
+    let (mut cut_kills, mut replayed) = (0, 0);
     let mut drained = false;
     'run: for (gap, fault) in faults {
         // Pause, watching for the end.
@@ -513,6 +533,16 @@ async fn run_history(default_tasks: usize) {
                 tokio::time::sleep(dur).await;
                 p.pass();
                 blackholes += 1;
+            }
+            Fault::CutKill(k, dur) => {
+                let p = proxies[k].as_ref().unwrap();
+                p.cut();
+                tokio::time::sleep(dur).await;
+                workers[k].kill();
+                replayed += outbox_entries(&states[k]);
+                workers[k] = start_worker(k, &urls[k], &states[k], &logs[k]);
+                p.pass();
+                cut_kills += 1;
             }
             Fault::ServerRestart => {
                 srv.restart();
@@ -595,8 +625,8 @@ async fn run_history(default_tasks: usize) {
     println!(
         "history figures: seed {seed}; {n} tasks ({} long, {} fail once, {} published twice), \
          {published} messages; {total} records {by_status:?}; {} runs ({reruns} ids ran more than once); \
-         faults: {kills} SIGKILL+restart ({replayed} outbox entries replayed), {cuts} cuts, \
-         {blackholes} blackholes, {restarts} server restart; drained: {drained} in {:.1}s \
+         faults: {kills} SIGKILL+restart, {cut_kills} cut+SIGKILL+restart \
+         ({replayed} outbox entries replayed), {cuts} cuts, {blackholes} blackholes, {restarts} server restart; drained: {drained} in {:.1}s \
          ({:.0} tasks/s); outbox entries left: {outbox_left}",
         plan.long,
         plan.fail_once,
@@ -776,13 +806,20 @@ mod checker {
         let a: Vec<String> = schedule(42).iter().map(|f| format!("{f:?}")).collect();
         let b: Vec<String> = schedule(42).iter().map(|f| format!("{f:?}")).collect();
         assert_eq!(a, b);
+        let s = schedule(42);
         assert_eq!(
-            schedule(42)
-                .iter()
+            s.iter()
                 .filter(|(_, f)| matches!(f, Fault::ServerRestart))
                 .count(),
             1
         );
+        let first: Vec<String> = s[..5]
+            .iter()
+            .map(|(_, f)| format!("{f:?}").split('(').next().unwrap().to_string())
+            .collect();
+        for kind in ["Kill", "Cut", "Blackhole", "CutKill", "ServerRestart"] {
+            assert!(first.contains(&kind.to_string()), "{first:?}");
+        }
         let d = Path::new("/x");
         let p = plan(1000, d, &mut StdRng::seed_from_u64(1));
         assert_eq!(p.ids.len(), 1000);
