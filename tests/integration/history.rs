@@ -264,6 +264,7 @@ fn schedule(seed: u64) -> Vec<(Duration, Fault)> {
         first.swap(i, rng.random_range(0..=i));
     }
     let mut out: Vec<(Duration, Fault)> = Vec::new();
+    assert_eq!(first.len(), FIRST_FAULTS);
     for f in first {
         out.push((ms(&mut rng, 300..1000), f));
     }
@@ -279,6 +280,8 @@ fn schedule(seed: u64) -> Vec<(Duration, Fault)> {
     out
 }
 
+/// The schedule's opening faults: one of each kind.
+const FIRST_FAULTS: usize = 5;
 /// Worker 0 talks to the server directly; the others through a proxy.
 const WORKERS: usize = 3;
 const ACK_WAIT: &str = "3s";
@@ -461,7 +464,8 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 async fn run_history(default_tasks: usize) {
     let seed: u64 = env_or("HISTORY_SEED", rand::rng().random());
     let n: usize = env_or("HISTORY_TASKS", default_tasks);
-    let rate: f64 = env_or("HISTORY_RATE", 200.0);
+    // Publishing takes about 20 s, so the first faults hit while it goes on.
+    let rate: f64 = env_or("HISTORY_RATE", (n as f64 / 20.0).max(25.0));
     println!("history: seed {seed} (HISTORY_SEED={seed} replays it), {n} tasks at {rate}/s");
     let mut rng = StdRng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
@@ -498,11 +502,15 @@ async fn run_history(default_tasks: usize) {
     let (mut kills, mut cuts, mut blackholes, mut restarts) = (0, 0, 0, 0);
     let (mut cut_kills, mut replayed) = (0, 0);
     let mut drained = false;
-    'run: for (gap, fault) in faults {
-        // Pause, watching for the end.
+    'run: for (step, (gap, fault)) in faults.into_iter().enumerate() {
+        // Pause, watching for the end (which waits for the first five
+        // faults, one of each kind).
         let until = Instant::now() + gap;
         while Instant::now() < until {
-            if publisher.is_finished() && tasks_in_queue(&js).await == Some(0) {
+            if step >= FIRST_FAULTS
+                && publisher.is_finished()
+                && tasks_in_queue(&js).await == Some(0)
+            {
                 drained = true;
                 break 'run;
             }
@@ -836,7 +844,7 @@ mod checker {
                 .count(),
             1
         );
-        let first: Vec<String> = s[..5]
+        let first: Vec<String> = s[..FIRST_FAULTS]
             .iter()
             .map(|(_, f)| format!("{f:?}").split('(').next().unwrap().to_string())
             .collect();
