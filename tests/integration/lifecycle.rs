@@ -493,6 +493,58 @@ async fn silent_partition_fences_the_copy_before_the_redelivery_starts() {
     assert!(all.last().unwrap().is_final, "{all:?}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_restart_never_runs_two_copies_at_once() {
+    // Found by the history checker: a nats-server SIGKILLed just after it
+    // redelivered a message comes back without that delivery in the
+    // consumer's state and hands the message out again, while the copy it
+    // started still runs (and still gets its progress acks confirmed).
+    let mut srv = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let flags = ["--ack-wait", "3s", "--slots", "1"];
+    let mut a = ProcWorker::start(&srv.url(), &flags);
+    let js = srv.js().await;
+    let script = format!(
+        "exec 9>>{lock}; flock -n 9 || echo r1 >> {o}; echo \"$$ $ATTEMPT $EPOCHREALTIME\" >> {runs}; \
+         sleep 8; echo \"$$ end $EPOCHREALTIME\" >> {runs}; echo done",
+        lock = d.join("lock").display(),
+        o = d.join("overlaps").display(),
+        runs = d.join("runs").display(),
+    );
+    publish_task(&js, "default", &shell("r1", &script)).await;
+    wait_for(T, "the first copy", || async {
+        (lines(&d.join("runs")).len() == 1).then_some(())
+    })
+    .await;
+    a.kill();
+    let _b = ProcWorker::start(&srv.url(), &flags);
+    let _c = ProcWorker::start(&srv.url(), &flags);
+    // The redelivery (after ack wait) starts a second copy; SIGKILL the
+    // server right then.
+    wait_for(T, "the redelivered copy", || async {
+        (lines(&d.join("runs")).len() >= 2).then_some(())
+    })
+    .await;
+    let t_restart = now_secs();
+    srv.restart();
+    let js = srv.js().await;
+    let fin = final_result(&js, "r1", T).await;
+    assert_eq!(fin.status, Status::Success, "{fin:?}");
+    queue_drained(&js, T, "the task acked").await;
+    let all = all_records(&js, "r1").await;
+    assert!(
+        !d.join("overlaps").exists(),
+        "a copy started while another ran; server SIGKILLed at {t_restart:.3}; \
+         runs (pid attempt start | pid end time): {:?}; records: {:?}",
+        lines(&d.join("runs")),
+        all.iter()
+            .map(|r| (r.status, r.attempt, r.worker_id.clone(), r.task_seq))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(finals(&all).len(), 1, "{all:?}");
+}
+
 /// Poll a worker's log until `pred` holds; panic if the worker exits.
 async fn wait_log(w: &mut ProcWorker, log: &PathBuf, what: &str, pred: impl Fn(&str) -> bool) {
     let deadline = Instant::now() + T;
