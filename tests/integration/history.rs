@@ -380,16 +380,6 @@ async fn tasks_in_queue(js: &jetstream::Context) -> Option<u64> {
     Some(s.info().await.ok()?.state.messages)
 }
 
-fn outbox_entries(state: &Path) -> usize {
-    std::fs::read_dir(state.join("outbox"))
-        .map(|rd| {
-            rd.flatten()
-                .filter(|e| e.path().extension().is_some_and(|x| x == "msg"))
-                .count()
-        })
-        .unwrap_or(0)
-}
-
 /// Every record on `results.>`, by id, in stream order.
 async fn read_results(js: &jetstream::Context) -> (BTreeMap<String, Vec<Rec>>, usize, Vec<String>) {
     let mut by_id: BTreeMap<String, Vec<Rec>> = BTreeMap::new();
@@ -530,7 +520,7 @@ async fn run_history(default_tasks: usize) {
         match fault {
             Fault::Kill(k) => {
                 workers[k].kill();
-                replayed += outbox_entries(&states[k]);
+                replayed += outbox_len(&states[k]);
                 workers[k] = start_worker(k, &urls[k], &states[k], &logs[k]);
                 kills += 1;
             }
@@ -553,7 +543,7 @@ async fn run_history(default_tasks: usize) {
                 p.cut();
                 tokio::time::sleep(dur).await;
                 workers[k].kill();
-                replayed += outbox_entries(&states[k]);
+                replayed += outbox_len(&states[k]);
                 workers[k] = start_worker(k, &urls[k], &states[k], &logs[k]);
                 p.pass();
                 cut_kills += 1;
@@ -572,10 +562,10 @@ async fn run_history(default_tasks: usize) {
     // Results a fenced or restarted worker still holds go out (or are
     // refused) now; give them the time a reconnect takes.
     let quiet = Instant::now() + Duration::from_secs(30);
-    while states.iter().any(|s| outbox_entries(s) > 0) && Instant::now() < quiet {
+    while states.iter().any(|s| outbox_len(s) > 0) && Instant::now() < quiet {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let outbox_left: usize = states.iter().map(|s| outbox_entries(s)).sum();
+    let outbox_left: usize = states.iter().map(|s| outbox_len(s)).sum();
     for w in &workers {
         w.signal(nix::sys::signal::Signal::SIGTERM);
     }

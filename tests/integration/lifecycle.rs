@@ -2,7 +2,8 @@
 //! test per failure: an oversized message, the same id twice (one worker,
 //! two workers), a cancel after a stored success, late writers (a fenced
 //! worker's report, a stale outbox entry), a silent partition, and start-up
-//! without JetStream. Real nats-server, real worker processes; the fault
+//! without JetStream; plus what the history checker found (a server
+//! restart right after a redelivery). Real nats-server, real worker processes; the fault
 //! proxy (`proxy.rs`) stands between a worker and the server where a test
 //! needs to cut or blackhole one worker's link.
 
@@ -21,17 +22,6 @@ const T: Duration = Duration::from_secs(40);
 /// A shell task as JSON (quotes in the script escaped properly).
 fn shell(id: &str, script: &str) -> String {
     serde_json::json!({"id": id, "type": "shell", "payload": script}).to_string()
-}
-
-/// Entries waiting in a state directory's outbox.
-fn outbox_len(state: &Path) -> usize {
-    std::fs::read_dir(state.join("outbox"))
-        .map(|rd| {
-            rd.flatten()
-                .filter(|e| e.path().extension().is_some_and(|x| x == "msg"))
-                .count()
-        })
-        .unwrap_or(0)
 }
 
 /// Wait until a file holds a pid.

@@ -474,6 +474,17 @@ pub async fn queue_drained(js: &jetstream::Context, timeout: Duration, what: &st
     .await
 }
 
+/// Entries waiting in the outbox of a worker's state directory.
+pub fn outbox_len(state: &Path) -> usize {
+    std::fs::read_dir(state.join("outbox"))
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.path().extension().is_some_and(|x| x == "msg"))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 /// Whether a process with this pid exists (and is not a zombie).
 pub fn pid_alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
