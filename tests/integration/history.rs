@@ -4,8 +4,8 @@
 //! 1–3 s, a fraction published twice under the same id, a few that fail
 //! once and are retried. Meanwhile a schedule drawn from a printed seed
 //! SIGKILLs and restarts workers on their state directories (so outboxes
-//! replay), cuts and blackholes the proxied links, and restarts the server
-//! once. Every task script logs its start and takes an flock on its id, so
+//! replay), stops them with SIGTERM (hand-backs), cuts and blackholes the
+//! proxied links, and restarts the server once. Every task script logs its start and takes an flock on its id, so
 //! two copies running at once leave a trace. At the end every record on
 //! `results.>` is read back and checked:
 //!
@@ -232,6 +232,9 @@ fn check_runs_claimed(
 enum Fault {
     /// SIGKILL worker k and start it again on its state directory.
     Kill(usize),
+    /// SIGTERM worker k (it hands back what still runs after its 1 s
+    /// drain: `queued` records), wait for it to exit, start it again.
+    Stop(usize),
     /// Cut proxied worker k's link for a while.
     Cut(usize, Duration),
     /// Blackhole proxied worker k's link for a while.
@@ -255,6 +258,7 @@ fn schedule(seed: u64) -> Vec<(Duration, Fault)> {
     let ms = |rng: &mut StdRng, r: std::ops::Range<u64>| Duration::from_millis(rng.random_range(r));
     let mut first = vec![
         Fault::Kill(rng.random_range(0..WORKERS)),
+        Fault::Stop(rng.random_range(0..WORKERS)),
         Fault::Cut(rng.random_range(1..WORKERS), ms(&mut rng, 3500..5000)),
         Fault::Blackhole(rng.random_range(1..WORKERS), ms(&mut rng, 3500..5000)),
         Fault::CutKill(rng.random_range(1..WORKERS), ms(&mut rng, 6000..8000)),
@@ -270,7 +274,8 @@ fn schedule(seed: u64) -> Vec<(Duration, Fault)> {
     }
     while out.len() < 2000 {
         let f = match rng.random_range(0..10) {
-            0..3 => Fault::Kill(rng.random_range(0..WORKERS)),
+            0..2 => Fault::Kill(rng.random_range(0..WORKERS)),
+            2..3 => Fault::Stop(rng.random_range(0..WORKERS)),
             3..5 => Fault::Cut(rng.random_range(1..WORKERS), ms(&mut rng, 500..6000)),
             5..8 => Fault::Blackhole(rng.random_range(1..WORKERS), ms(&mut rng, 1000..7000)),
             _ => Fault::CutKill(rng.random_range(1..WORKERS), ms(&mut rng, 6000..8000)),
@@ -281,7 +286,7 @@ fn schedule(seed: u64) -> Vec<(Duration, Fault)> {
 }
 
 /// The schedule's opening faults: one of each kind.
-const FIRST_FAULTS: usize = 5;
+const FIRST_FAULTS: usize = 6;
 /// Worker 0 talks to the server directly; the others through a proxy.
 const WORKERS: usize = 3;
 const ACK_WAIT: &str = "3s";
@@ -432,7 +437,7 @@ fn start_worker(k: usize, url: &str, state: &Path, log: &Path) -> ProcWorker {
             "--ack-wait",
             ACK_WAIT,
             "--drain-timeout",
-            "5s",
+            "1s",
             "--name",
             &format!("w{k}"),
         ],
@@ -490,7 +495,8 @@ async fn run_history(default_tasks: usize) {
     let publisher = tokio::spawn(publish_all(js.clone(), plan.messages, rate));
     let deadline = t0 + Duration::from_secs(90) + Duration::from_millis(40 * n as u64);
     let (mut kills, mut cuts, mut blackholes, mut restarts) = (0, 0, 0, 0);
-    let (mut cut_kills, mut replayed) = (0, 0);
+    let (mut cut_kills, mut replayed, mut stops) = (0, 0, 0);
+    let mut v_stop: Vec<String> = Vec::new();
     let mut drained = false;
     'run: for (step, (gap, fault)) in faults.into_iter().enumerate() {
         // Pause, watching for the end (which waits for the first five
@@ -523,6 +529,19 @@ async fn run_history(default_tasks: usize) {
                 replayed += outbox_len(&states[k]);
                 workers[k] = start_worker(k, &urls[k], &states[k], &logs[k]);
                 kills += 1;
+            }
+            Fault::Stop(k) => {
+                workers[k].signal(nix::sys::signal::Signal::SIGTERM);
+                if workers[k]
+                    .wait_exit(Duration::from_secs(30))
+                    .await
+                    .is_none()
+                {
+                    v_stop.push(format!("worker {k} did not exit within 30 s of SIGTERM"));
+                    workers[k].kill();
+                }
+                workers[k] = start_worker(k, &urls[k], &states[k], &logs[k]);
+                stops += 1;
             }
             Fault::Cut(k, dur) => {
                 let p = proxies[k].as_ref().unwrap();
@@ -618,6 +637,7 @@ async fn run_history(default_tasks: usize) {
         v.i4.push(format!("{id}: results for an id nobody published"));
     }
     v.i4.extend(unreadable);
+    v.i4.extend(v_stop);
 
     let mut by_status: BTreeMap<String, usize> = BTreeMap::new();
     for r in records.values().flatten() {
@@ -636,7 +656,7 @@ async fn run_history(default_tasks: usize) {
     println!(
         "history figures: seed {seed}; {n} tasks ({} long, {} fail once, {} published twice), \
          {published} messages; {total} records {by_status:?}; {} runs ({reruns} ids ran more than once); \
-         faults: {kills} SIGKILL+restart, {cut_kills} cut+SIGKILL+restart \
+         faults: {kills} SIGKILL+restart, {stops} SIGTERM+restart, {cut_kills} cut+SIGKILL+restart \
          ({replayed} outbox entries replayed), {cuts} cuts, {blackholes} blackholes, {restarts} server restart; drained: {drained} in {:.1}s \
          ({:.0} tasks/s); outbox entries left: {outbox_left}",
         plan.long,
@@ -838,7 +858,14 @@ mod checker {
             .iter()
             .map(|(_, f)| format!("{f:?}").split('(').next().unwrap().to_string())
             .collect();
-        for kind in ["Kill", "Cut", "Blackhole", "CutKill", "ServerRestart"] {
+        for kind in [
+            "Kill",
+            "Stop",
+            "Cut",
+            "Blackhole",
+            "CutKill",
+            "ServerRestart",
+        ] {
             assert!(first.contains(&kind.to_string()), "{first:?}");
         }
         let d = Path::new("/x");
