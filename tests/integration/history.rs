@@ -107,6 +107,18 @@ impl Violations {
             ("I4 drained, one final each", &self.i4),
         ] {
             out.push_str(&format!("  {name}: {} violation(s)\n", v.len()));
+            // Counts by kind (the `[kind]` prefix), then examples.
+            let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+            for e in v {
+                let kind = e
+                    .strip_prefix('[')
+                    .and_then(|r| r.split_once(']'))
+                    .map_or("", |(k, _)| k);
+                *kinds.entry(kind).or_default() += 1;
+            }
+            if kinds.len() > 1 || !kinds.contains_key("") {
+                out.push_str(&format!("    by kind: {kinds:?}\n"));
+            }
             for e in v.iter().take(15) {
                 out.push_str(&format!("    {e}\n"));
             }
@@ -169,8 +181,13 @@ fn check_chain(id: &str, recs: &[Rec], v: &mut Violations) {
             }),
         };
         if !ok {
+            let kind = match r.status.as_str() {
+                "running" => "claim out of order",
+                "queued" => "hand-back not after its claim",
+                _ => "result not right after its own claim",
+            };
             v.i2.push(format!(
-                "{id}: {} after {}",
+                "[{kind}] {id}: {} after {}",
                 r.describe(),
                 prev.map_or("nothing".into(), |p| p.describe())
             ));
@@ -221,7 +238,8 @@ fn check_runs_claimed(
         });
         if n > claims {
             v.i2.push(format!(
-                "{id}: attempt {attempt} ran {n} time(s) with {claims} running claim(s)"
+                "[run without its own claim] {id}: attempt {attempt} ran {n} time(s) \
+                 with {claims} running claim(s)"
             ));
         }
     }
