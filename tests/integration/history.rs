@@ -116,7 +116,7 @@ impl Violations {
                     .map_or("", |(k, _)| k);
                 *kinds.entry(kind).or_default() += 1;
             }
-            if kinds.len() > 1 || !kinds.contains_key("") {
+            if kinds.len() > 1 || (!kinds.is_empty() && !kinds.contains_key("")) {
                 out.push_str(&format!("    by kind: {kinds:?}\n"));
             }
             for e in v.iter().take(15) {

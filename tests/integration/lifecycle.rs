@@ -3,7 +3,7 @@
 //! two workers), a cancel after a stored success, late writers (a fenced
 //! worker's report, a stale outbox entry), a silent partition, and start-up
 //! without JetStream; plus what the history checker found (a server
-//! restart right after a redelivery). Real nats-server, real worker processes; the fault
+//! restart right after a redelivery, a claim after a shutdown hand-back). Real nats-server, real worker processes; the fault
 //! proxy (`proxy.rs`) stands between a worker and the server where a test
 //! needs to cut or blackhole one worker's link.
 
@@ -533,6 +533,75 @@ async fn server_restart_never_runs_two_copies_at_once() {
             .collect::<Vec<_>>()
     );
     assert_eq!(finals(&all).len(), 1, "{all:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_hand_back_is_claimed_again_and_finishes() {
+    // Found by the history checker: after `queued`, the next claim of the
+    // same attempt number must be stored, not mistaken for the earlier one.
+    let srv = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let runs = dir.path().join("runs");
+    let mut a = ProcWorker::start(&srv.url(), &["--drain-timeout", "1s", "--name", "a"]);
+    let js = srv.js().await;
+    publish_task(
+        &js,
+        "default",
+        &shell(
+            "handback",
+            &format!(
+                "echo \"$$ $ATTEMPT\" >> {}; sleep 3; echo done",
+                runs.display()
+            ),
+        ),
+    )
+    .await;
+    wait_for(T, "the first copy", || async {
+        (!lines(&runs).is_empty()).then_some(())
+    })
+    .await;
+    // Stopped while it runs: handed back, not counted as an attempt.
+    a.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(a.wait_exit(T).await, Some(0));
+    let _b = ProcWorker::start(&srv.url(), &["--name", "b"]);
+    let deadline = Instant::now() + T;
+    let fin = loop {
+        if let Some(r) = last_result(&js, "handback").await.filter(|r| r.is_final) {
+            break r;
+        }
+        if Instant::now() > deadline {
+            panic!(
+                "no final result within {T:?}; runs (pid attempt): {:?}; records: {:?}",
+                lines(&runs),
+                all_records(&js, "handback")
+                    .await
+                    .iter()
+                    .map(|r| (r.status, r.attempt, r.worker_id.clone()))
+                    .collect::<Vec<_>>()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        (fin.status, fin.output.as_str(), fin.attempt),
+        (Status::Success, "done\n", 1),
+        "{fin:?}"
+    );
+    assert!(fin.worker_id.starts_with("b-"), "{fin:?}");
+    queue_drained(&js, T, "the task acked").await;
+    assert_eq!(lines(&runs).len(), 2, "{:?}", lines(&runs));
+    let all = all_records(&js, "handback").await;
+    let shape: Vec<(Status, u32)> = all.iter().map(|r| (r.status, r.attempt)).collect();
+    assert_eq!(
+        shape,
+        vec![
+            (Status::Running, 1),
+            (Status::Queued, 0),
+            (Status::Running, 1),
+            (Status::Success, 1)
+        ],
+        "{all:?}"
+    );
 }
 
 /// Poll a worker's log until `pred` holds; panic if the worker exits.
