@@ -32,9 +32,7 @@ impl Conn {
     /// Connect with the command's settings (fails fast, exit 2).
     pub async fn open(ctx: &super::Ctx) -> anyhow::Result<Conn> {
         let client = ctx.client().await?;
-        let js = jetstream::ContextBuilder::new()
-            .timeout(Duration::from_secs(10))
-            .build(client.clone());
+        let js = crate::connect::jetstream(client.clone(), &ctx.connect);
         Ok(Conn {
             client,
             js,
