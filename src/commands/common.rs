@@ -245,7 +245,8 @@ const MAX_FILTERS: usize = 256;
 
 impl Conn {
     /// Wait until every id in `ids` has a final result (or `deadline`
-    /// passes), calling `on_final` for each as it arrives. Results stored
+    /// passes), calling `on_result` for each result of a pending id as it
+    /// arrives (non-final ones too: a retry is news to a waiter). Results stored
     /// before the call count (a duplicate submit of a finished id is
     /// answered by its old result, as the worker would answer it).
     /// `since_seq` is the RESULTS sequence before the tasks were published;
@@ -255,7 +256,7 @@ impl Conn {
         ids: &[String],
         since_seq: u64,
         deadline: Option<tokio::time::Instant>,
-        mut on_final: impl FnMut(&TaskResult),
+        mut on_result: impl FnMut(&TaskResult),
     ) -> anyhow::Result<std::collections::BTreeMap<String, TaskResult>> {
         let results = self.ensure_results().await?;
         let mut pending: std::collections::BTreeSet<&str> =
@@ -268,7 +269,7 @@ impl Conn {
             for id in ids {
                 if let Some(r) = self.last_result(&results, id).await? {
                     if r.is_final && pending.remove(id.as_str()) {
-                        on_final(&r);
+                        on_result(&r);
                         done.insert(id.clone(), r);
                     }
                 }
@@ -294,8 +295,12 @@ impl Conn {
             let Ok(r) = parse_result(&m.payload) else {
                 continue;
             };
-            if r.is_final && pending.remove(r.id.as_str()) {
-                on_final(&r);
+            if !pending.contains(r.id.as_str()) {
+                continue;
+            }
+            on_result(&r);
+            if r.is_final {
+                pending.remove(r.id.as_str());
                 done.insert(r.id.clone(), r);
             }
         }

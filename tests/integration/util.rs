@@ -259,6 +259,8 @@ impl ProcWorker {
                 "LOG_LEVEL",
                 std::env::var("TEST_LOG_LEVEL").unwrap_or_else(|_| "error".into()),
             )
+            // Neither the tester's nats context nor their config file.
+            .env("XDG_CONFIG_HOME", "/nonexistent-jetworker-test")
             .stdin(Stdio::null())
             .spawn()
             .unwrap();
