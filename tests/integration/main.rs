@@ -9,6 +9,7 @@ mod container;
 mod core;
 mod faults;
 mod http;
+mod readme;
 mod runner_ctx;
 mod soak;
 mod util;
