@@ -1261,6 +1261,12 @@ fn apply_docker_options(spec: &mut ContainerSpec, payload: &str) -> Result<(), I
 #[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum Status {
+    /// Not a result: an attempt was claimed and runs now (non-final; the
+    /// record's `worker_id`, `attempt` and `task_seq` say where and which).
+    Running,
+    /// Not a result: a claimed attempt was handed back unfinished (worker
+    /// shutdown); `attempt` counts the attempts used so far (non-final).
+    Queued,
     Success,
     Failed,
     Timeout,
@@ -1272,6 +1278,8 @@ pub enum Status {
 impl Status {
     pub fn as_str(self) -> &'static str {
         match self {
+            Status::Running => "running",
+            Status::Queued => "queued",
             Status::Success => "success",
             Status::Failed => "failed",
             Status::Timeout => "timeout",
@@ -1322,6 +1330,11 @@ pub struct TaskResult {
     pub finished_at: DateTime<Utc>,
     pub duration_ms: u64,
     pub retry_in_ms: Option<u64>,
+    /// TASKS stream sequence of the message this record belongs to: tells a
+    /// redelivery of the same message (which may take over a lost lease)
+    /// from a second message with the same id (which waits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_seq: Option<u64>,
 }
 
 impl TaskResult {
@@ -1361,7 +1374,14 @@ impl TaskResult {
             finished_at,
             duration_ms: (finished_at - started_at).num_milliseconds().max(0) as u64,
             retry_in_ms: None,
+            task_seq: None,
         }
+    }
+
+    /// Whether this record is a state (running, queued) rather than the
+    /// result of an attempt.
+    pub fn is_state(&self) -> bool {
+        matches!(self.status, Status::Running | Status::Queued)
     }
 }
 

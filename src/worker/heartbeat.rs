@@ -14,7 +14,7 @@ use crate::protocol::Heartbeat;
 
 /// The current heartbeat value.
 pub fn value(sh: &Shared) -> Heartbeat {
-    let tasks = sh.running_ids();
+    let tasks = sh.running.ids();
     Heartbeat {
         id: sh.id.clone(),
         hostname: sh.hostname.clone(),

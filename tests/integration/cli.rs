@@ -208,6 +208,7 @@ pub fn fake_result(id: &str, label: &str, status: Status, fin: bool, attempt: u3
         finished_at: now,
         duration_ms: 12,
         retry_in_ms: (!fin).then_some(1000),
+        task_seq: None,
     }
 }
 

@@ -355,8 +355,18 @@ pub async fn last_result(js: &jetstream::Context, id: &str) -> Option<TaskResult
     Some(serde_json::from_slice(&msg.payload).expect("result is valid JSON"))
 }
 
-/// Every result stored for `id`, oldest first.
+/// Every result of an attempt stored for `id`, oldest first (without the
+/// `running`/`queued` state records).
 pub async fn all_results(js: &jetstream::Context, id: &str) -> Vec<TaskResult> {
+    all_records(js, id)
+        .await
+        .into_iter()
+        .filter(|r| !r.is_state())
+        .collect()
+}
+
+/// Every record stored for `id` (states included), oldest first.
+pub async fn all_records(js: &jetstream::Context, id: &str) -> Vec<TaskResult> {
     let Ok(stream) = js.get_stream("RESULTS").await else {
         return vec![];
     };
