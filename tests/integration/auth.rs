@@ -349,3 +349,60 @@ async fn nats_user_password_variables_and_secret_files() {
     .await;
     assert_eq!(final_result(&js, "pwfile", T).await.status, Status::Success);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_prefix_and_js_domain_reach_the_requests() {
+    // A user who may subscribe only to replies under _INBOX_team.
+    let srv = NatsServer::start_with(&[
+        "authorization { users: [ { user: jw, password: pw, permissions: { publish: \">\", subscribe: [\"_INBOX_team.>\"] } } ] }",
+    ]);
+    let none = tempfile::tempdir().unwrap();
+    let xdg = none.path().to_str().unwrap();
+    let env = [
+        ("XDG_CONFIG_HOME", xdg),
+        ("JETWORKER_USER", "jw"),
+        ("JETWORKER_PASSWORD", "pw"),
+    ];
+    let url = srv.url();
+    let o = jw_env(
+        &["setup", "--server", &url, "--inbox-prefix", "_INBOX_team"],
+        &env,
+    );
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    let o = jw_env(&["workers", "--server", &url, "--api-timeout", "1s"], &env);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "replies on _INBOX are denied: {o:?}"
+    );
+    let o = jw_env(
+        &["workers", "--server", &url, "--inbox-prefix", "_INBOX_team"],
+        &env,
+    );
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    drop(srv);
+
+    // A server in JetStream domain `hub`: the API answers on $JS.hub.API.
+    let srv = NatsServer::start_with(&["jetstream { domain: hub }"]);
+    let url = srv.url();
+    let env = [("XDG_CONFIG_HOME", xdg)];
+    let o = jw_env(&["setup", "--server", &url, "--js-domain", "hub"], &env);
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    let o = jw_env(
+        &[
+            "workers",
+            "--server",
+            &url,
+            "--js-domain",
+            "elsewhere",
+            "--api-timeout",
+            "1s",
+        ],
+        &env,
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "no JetStream in that domain: {o:?}"
+    );
+}
