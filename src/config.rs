@@ -1654,6 +1654,54 @@ mod tests {
     }
 
     #[test]
+    fn the_example_file_names_real_keys_and_true_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/config.example.toml");
+        let text = std::fs::read_to_string(&path).unwrap();
+        // Uncommented, it must load.
+        let uncommented: String = text
+            .lines()
+            .map(|l| {
+                let t = l.trim_start_matches("# ");
+                if t.contains(" = ") || t == "[names]" {
+                    t.split("  #").next().unwrap_or(t)
+                } else {
+                    ""
+                }
+            })
+            .filter(|l| !l.is_empty())
+            .fold(
+                (String::new(), std::collections::BTreeSet::new()),
+                |(mut acc, mut seen), l| {
+                    // Keep the first of several examples of one key.
+                    let key = l.split(" = ").next().unwrap_or("").to_string();
+                    if l == "[names]" || seen.insert(key) {
+                        acc.push_str(l);
+                        acc.push('\n');
+                    }
+                    (acc, seen)
+                },
+            )
+            .0;
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("all.toml");
+        std::fs::write(&f, &uncommented).unwrap();
+        let values = load_file(&f).unwrap_or_else(|e| panic!("{e}\n{uncommented}"));
+        // A duration or size shown commented out is the default.
+        for def in SETTINGS {
+            let Some(v) = values.get(def.key) else {
+                continue;
+            };
+            match def.default {
+                Dflt::Duration(d) if text.contains(&format!("# {} = ", def.key)) => {
+                    assert_eq!(parse_duration(v).unwrap(), d, "{}", def.key)
+                }
+                Dflt::Size(b) => assert_eq!(parse_size(v).unwrap(), b, "{}", def.key),
+                _ => {}
+            }
+        }
+    }
+
+    #[test]
     fn flags_beat_env_beat_file() {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("c.toml");
