@@ -119,6 +119,10 @@ fn augment(mut cmd: clap::Command, groups: &[Group], global: bool) -> clap::Comm
         if !def.aliases.is_empty() {
             a = a.aliases(def.aliases.iter().copied());
         }
+        if def.group == Group::Names {
+            // Ten names would crowd every `-h`; `--help` shows them.
+            a = a.hide_short_help(true);
+        }
         if def.kind == Kind::Bool {
             // `--tlsfirst` alone is true; a value needs `=` so that the
             // next word is never taken for it.
