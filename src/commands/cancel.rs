@@ -158,7 +158,11 @@ pub async fn run(ctx: &super::Ctx, args: CancelArgs) -> anyhow::Result<Exit> {
         }
     }
     let since_seq = conn.results_last_seq().await;
-    let worker = running_on(&conn, &id).await;
+    // A `running` record names the worker at once; heartbeats lag.
+    let worker = match &last {
+        Some(r) if r.status == Status::Running => Some(r.worker_id.clone()),
+        _ => running_on(&conn, &id).await,
+    };
     if last.is_none() && worker.is_none() && !args.force {
         match queued(&conn, &id).await? {
             Some(true) => {}

@@ -245,13 +245,31 @@ const MAX_FILTERS: usize = 256;
 
 impl Conn {
     /// Wait until every id in `ids` has a final result (or `deadline`
+    /// passes), calling `on_final` for each as it arrives. See
+    /// [`Conn::wait_results`].
+    pub async fn wait_finals(
+        &self,
+        ids: &[String],
+        since_seq: u64,
+        deadline: Option<tokio::time::Instant>,
+        mut on_final: impl FnMut(&TaskResult),
+    ) -> anyhow::Result<std::collections::BTreeMap<String, TaskResult>> {
+        self.wait_results(ids, since_seq, deadline, |r| {
+            if r.is_final {
+                on_final(r)
+            }
+        })
+        .await
+    }
+
+    /// Wait until every id in `ids` has a final result (or `deadline`
     /// passes), calling `on_result` for each result of a pending id as it
     /// arrives (non-final ones too: a retry is news to a waiter). Results stored
     /// before the call count (a duplicate submit of a finished id is
     /// answered by its old result, as the worker would answer it).
     /// `since_seq` is the RESULTS sequence before the tasks were published;
     /// it bounds the read when there are too many ids to filter by subject.
-    pub async fn wait_finals(
+    pub async fn wait_results(
         &self,
         ids: &[String],
         since_seq: u64,

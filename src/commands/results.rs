@@ -68,7 +68,7 @@ const HEADERS: [&str; 8] = [
 /// A table row for one result.
 fn row(r: &TaskResult, now: DateTime<Utc>, colour: bool) -> Vec<String> {
     let mut status = status_text(r.status, colour);
-    if !r.is_final {
+    if !r.is_final && !matches!(r.status, Status::Running | Status::Queued) {
         status.push_str(" (retrying)");
     }
     let out = if r.output.trim().is_empty() {

@@ -164,7 +164,11 @@ async fn wait_and_report(
     let mut failed = 0u64;
     let mut print_err: Option<anyhow::Error> = None;
     let done = conn
-        .wait_finals(ids, since_seq, deadline, |r| {
+        .wait_results(ids, since_seq, deadline, |r| {
+            // `running`/`queued` records are progress, not attempts.
+            if matches!(r.status, Status::Running | Status::Queued) {
+                return;
+            }
             if !r.is_final {
                 let msg = retry_note(r);
                 match &bar {
