@@ -1047,9 +1047,11 @@ async fn dead_lists_replays_and_purges() {
         &fake_result("d-1-r1", "default", Status::Failed, true, 3),
     )
     .await;
-    let o = jw(&url, &["dead", "replay", "d-1"]).await;
+    let o = jw(&url, &["dead", "replay", "d-1", "--json"]).await;
     assert_exit(&o, 0);
-    assert!(stdout(&o).contains("d-1-r2"), "{}", stdout(&o));
+    let v = json_lines(&o);
+    assert_eq!(v[0]["new_id"], "d-1-r2", "{v:?}");
+    assert_eq!(v[0]["subject"], "tasks.default");
     // A task that can never be valid is not replayed as it is.
     let o = jw(&url, &["dead", "replay", "d-2"]).await;
     assert_exit(&o, 2);
