@@ -10,6 +10,10 @@
 //! output (`--json`: each final result as one JSON line). Exit code 0 only
 //! if every task succeeded, 1 otherwise (including `--wait-timeout`), 2 for
 //! a bad task or a connection problem.
+//!
+//! While waiting, stderr says when no online worker serves the label (the
+//! task then waits in the queue) and shows each attempt that will be
+//! retried.
 
 use std::io::Write;
 use std::time::Duration;
