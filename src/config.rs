@@ -1529,7 +1529,7 @@ pub fn resolve_worker(s: &Settings) -> Result<WorkerConfig, ConfigError> {
     let state_dir = PathBuf::from(s.text_or_default("state_dir"));
     let metrics_addr = match s.text("metrics_addr") {
         None => None,
-        Some(a) if a == "off" => None,
+        Some(a) if a.is_empty() || a == "off" => None,
         Some(a) => Some(a.parse::<SocketAddr>().map_err(|_| {
             ConfigError::new(
                 "metrics_addr",
