@@ -202,7 +202,9 @@ async fn other_type(sh: &Shared, msg: &jetstream::Message, d: &Delivery, task: &
     warn!("{error}; dead-lettering");
     let written = write_after(sh, msg, d, &task.id, |prev| match prev_record(prev) {
         Some(p) if p.is_final => Plan::Answer(Answer::Ack),
-        Some(p) if running_elsewhere(sh, p, d) => Plan::Answer(Answer::Redeliver(WAIT_FOR_RUNNING)),
+        Some(p) if records::held_elsewhere(sh, p) => {
+            Plan::Answer(Answer::Redeliver(WAIT_FOR_RUNNING))
+        }
         p => {
             let mut r = base_result(sh, task, next_attempt(p), Status::Dead, started, d);
             r.error = Some(error.clone());
@@ -241,8 +243,8 @@ async fn claim(
             {
                 return Plan::Adopt;
             }
-            Some(p) if running_elsewhere(sh, p, d) => {
-                debug!(worker = %p.worker_id, "another message with this id is running; waiting");
+            Some(p) if records::held_elsewhere(sh, p) => {
+                debug!(worker = %p.worker_id, "the id is running on another worker; waiting");
                 return Plan::Answer(Answer::Redeliver(WAIT_FOR_RUNNING));
             }
             _ => {}
@@ -373,11 +375,6 @@ fn prev_record(prev: Option<&Last>) -> Option<&TaskResult> {
 /// followed by n + 1.
 fn next_attempt(prev: Option<&TaskResult>) -> u32 {
     prev.map_or(1, |p| p.attempt + 1)
-}
-
-/// Whether `p` is a live claim of another message with the same id.
-fn running_elsewhere(sh: &Shared, p: &TaskResult, d: &Delivery) -> bool {
-    p.status == Status::Running && p.task_seq != Some(d.seq) && !records::is_abandoned(sh, p)
 }
 
 /// A record with the fields every status shares (final unless changed).
@@ -717,7 +714,7 @@ async fn reject(
         return a;
     }
     let written = write_after(sh, msg, d, &id, |prev| match prev_record(prev) {
-        Some(p) if p.is_final || running_elsewhere(sh, p, d) => {
+        Some(p) if p.is_final || records::held_elsewhere(sh, p) => {
             info!(status = %p.status, "the id belongs to another task; its record stays");
             Plan::Answer(Answer::Terminate)
         }

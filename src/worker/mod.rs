@@ -365,7 +365,12 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     }
 
     let background = CancellationToken::new();
-    let hb = tokio::spawn(heartbeat::beat(sh.clone(), background.clone()));
+    let first_beat = CancellationToken::new();
+    let hb = tokio::spawn(heartbeat::beat(
+        sh.clone(),
+        background.clone(),
+        first_beat.clone(),
+    ));
     // Cancel keys and heartbeats are read before any pulling, so that the
     // first task already sees a cancel put while it was queued.
     let cancels_current = CancellationToken::new();
@@ -389,6 +394,12 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         .is_err()
     {
         warn!("the cancel and workers buckets were not read within 10s; going on");
+    }
+    // Other workers must see this one online before any claim of its own
+    // (a claim of an online worker is waited for, never taken over).
+    tokio::select! {
+        _ = first_beat.cancelled() => {}
+        _ = shutdown.cancelled() => {}
     }
     // Records an earlier life left behind go out before any pulling, so a
     // redelivered task finds its result and is not run again.

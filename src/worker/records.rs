@@ -114,13 +114,15 @@ fn encode(r: &mut TaskResult, max_payload: usize) -> Bytes {
     }
 }
 
-/// Whether a `running` record belongs to a claim nobody holds any more:
-/// its worker is offline (its heartbeat key is gone) and it is older than
-/// the lease. Such a claim is taken over like a lost lease.
-pub(crate) fn is_abandoned(sh: &Shared, r: &TaskResult) -> bool {
-    r.status == Status::Running
-        && !sh.workers_online(&r.worker_id)
-        && (chrono::Utc::now() - r.started_at)
-            .to_std()
-            .is_ok_and(|age| age > sh.ack_wait)
+/// Whether `r` is a claim held by another worker that is still online:
+/// such a claim is waited for, never taken over. A worker only pulls after
+/// its first heartbeat is stored, so a claim's holder is visible before the
+/// claim is. A claim whose holder is offline (its heartbeat key expired or
+/// was deleted) is taken over, whatever message it came from: the holder
+/// stopped its copy when it lost its lease, and a crashed holder's copy died
+/// with it. Not trusting the broker's redelivery alone matters: a
+/// nats-server restarted after a crash may hand out a message again that it
+/// had already delivered, while the first copy still runs.
+pub(crate) fn held_elsewhere(sh: &Shared, r: &TaskResult) -> bool {
+    r.status == Status::Running && r.worker_id != sh.id && sh.workers_online(&r.worker_id)
 }
