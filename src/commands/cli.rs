@@ -238,6 +238,23 @@ mod tests {
     }
 
     #[test]
+    fn help_screens_group_connection_flags_and_show_examples() {
+        let mut cli = Cli::command();
+        // Global flags reach the subcommands when the command is built.
+        cli.build();
+        for name in ["run", "submit"] {
+            let help = cli
+                .find_subcommand_mut(name)
+                .unwrap()
+                .render_long_help()
+                .to_string();
+            for part in ["Connection:", "Examples:", "[env: NATS_URL]", "[default: "] {
+                assert!(help.contains(part), "{name} --help lacks {part}:\n{help}");
+            }
+        }
+    }
+
+    #[test]
     fn global_flags_work_after_the_subcommand() {
         let c = Cli::try_parse_from([
             "jetworker",
