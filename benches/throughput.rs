@@ -241,14 +241,20 @@ async fn wait_empty(js: &jetstream::Context, stream: &str) {
     }
 }
 
-/// The reference: pull → publish a result (await the PubAck) → ack, with
-/// at most one message per free slot, until `stop`.
+/// The reference: pull → read the task's id → publish a result of the same
+/// shape and size as jetworker's (await the PubAck) → ack, with at most one
+/// message per free slot, until `stop`.
 async fn raw_loop(
     js: jetstream::Context,
     consumer: jetstream::consumer::PullConsumer,
-    result_body: bytes::Bytes,
+    sample: TaskResult,
     stop: CancellationToken,
 ) {
+    #[derive(serde::Deserialize)]
+    struct Id {
+        id: String,
+    }
+    let sample = Arc::new(sample);
     let sem = Arc::new(Semaphore::new(SLOTS));
     while !stop.is_cancelled() {
         let first = sem.clone().acquire_owned().await.unwrap();
@@ -268,10 +274,14 @@ async fn raw_loop(
         while let Some(Ok(msg)) = batch.next().await {
             let Some(permit) = permits.pop() else { break };
             let js = js.clone();
-            let body = result_body.clone();
+            let sample = sample.clone();
             tokio::spawn(async move {
-                let id = msg.subject.as_str().rsplit('.').next().unwrap().to_string();
-                js.publish(format!("raw.results.{id}"), body)
+                let id = serde_json::from_slice::<Id>(&msg.payload).unwrap().id;
+                let mut r = (*sample).clone();
+                r.idempotency_key = Some(id.clone());
+                r.id = id;
+                let body = bytes::Bytes::from(serde_json::to_vec(&r).unwrap());
+                js.publish(format!("raw.results.{}", r.id), body)
                     .await
                     .expect("publish result")
                     .await
@@ -425,15 +435,10 @@ async fn main() {
         r.output_bytes = 2;
         r.idempotency_key = Some(r.id.clone());
         r.task_seq = Some(1);
-        bytes::Bytes::from(serde_json::to_vec(&r).unwrap())
+        r
     };
     let stop_raw = CancellationToken::new();
-    let raw_task = tokio::spawn(raw_loop(
-        js.clone(),
-        consumer,
-        sample.clone(),
-        stop_raw.clone(),
-    ));
+    let raw_task = tokio::spawn(raw_loop(js.clone(), consumer, sample, stop_raw.clone()));
     let mut results = Results::subscribe(&client, &raw).await;
     let raw_rate = throughput(&js, &raw, &mut results, &url, &format!("r{run}-"), n).await;
     wait_empty(&js, "RAW").await;

@@ -44,7 +44,7 @@ impl Default for SetupOptions {
             storage: StorageType::File,
             results_max_age: Duration::from_secs(7 * 24 * 3600),
             dead_max_age: Duration::ZERO,
-            offline_after: Duration::from_secs(30),
+            offline_after: crate::config::DEFAULT_OFFLINE_AFTER,
             cancel_max_age: Duration::from_secs(24 * 3600),
             update_existing: false,
         }
@@ -114,10 +114,10 @@ impl SetupOptions {
         }
     }
 
-    /// The replicas a config gets: [`ensure_all`] resolves `None` first
-    /// (with [`Self::resolve_replicas`]); a config built directly from
-    /// unresolved options gets 1.
-    fn num_replicas(&self) -> usize {
+    /// The replicas a config gets: [`ensure_all`] (and `jetworker setup`)
+    /// resolve `None` first (with [`Self::resolve_replicas`]); a config
+    /// built directly from unresolved options gets 1.
+    pub(crate) fn num_replicas(&self) -> usize {
         self.replicas.unwrap_or(1)
     }
 }
