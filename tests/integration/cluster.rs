@@ -170,7 +170,14 @@ impl Drill {
 
     /// Stop the load, wait for every published task to finish and check
     /// the invariants.
-    async fn finish(mut self) {
+    async fn finish(self) {
+        self.finish_with(false).await
+    }
+
+    /// [`Self::finish`], and with `history` also the history checker of
+    /// tests/integration/history.rs (I1, and the chain rule I2 over every
+    /// record of RESULTS).
+    async fn finish_with(mut self, history: bool) {
         self.stop_load.cancel();
         self.load.take().unwrap().await.unwrap();
         let ids = self.published.lock().unwrap().clone();
@@ -253,6 +260,16 @@ impl Drill {
                     summary(&history)
                 ));
             }
+        }
+        if history {
+            let (records, _, unreadable) = crate::history::read_results(js).await;
+            assert!(unreadable.is_empty(), "unreadable records: {unreadable:?}");
+            let mut v = crate::history::Violations::default();
+            for (id, recs) in &records {
+                crate::history::check_chain(id, recs, &mut v);
+                crate::history::check_final(id, recs, &mut v);
+            }
+            assert!(v.is_empty(), "the history checker:\n{}", v.report());
         }
         assert!(
             problems.is_empty(),
@@ -640,7 +657,8 @@ async fn a_hot_label_in_its_own_stream_with_its_own_leader() {
 
 /// Opt-in long drill: a node killed and restarted every few seconds, the
 /// next one each time, under load for `CLUSTER_SOAK_SECS` (default 120),
-/// then the invariants of [`Drill::finish`]. Run with
+/// then the invariants of [`Drill::finish`] and the history checker
+/// (tests/integration/history.rs). Run with
 /// `cargo test --release --test integration cluster::soak -- --ignored --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long: minutes of node kills; run explicitly"]
@@ -660,5 +678,5 @@ async fn soak_node_kills_under_load() {
         d.wait_results(5).await;
         i = (i + 1) % 3;
     }
-    d.finish().await;
+    d.finish_with(true).await;
 }

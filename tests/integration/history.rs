@@ -40,7 +40,7 @@ use crate::util::*;
 /// One record on `results.<id>`, read loosely (any status string), so the
 /// checker reads histories whatever statuses the worker writes.
 #[derive(Debug, Clone, PartialEq)]
-struct Rec {
+pub(crate) struct Rec {
     /// Stream sequence in RESULTS.
     seq: u64,
     status: String,
@@ -86,7 +86,7 @@ impl Rec {
 
 /// What the checker found, by invariant (examples, not only counts).
 #[derive(Debug, Default)]
-struct Violations {
+pub(crate) struct Violations {
     i1: Vec<String>,
     i2: Vec<String>,
     i3: Vec<String>,
@@ -94,11 +94,11 @@ struct Violations {
 }
 
 impl Violations {
-    fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.i1.is_empty() && self.i2.is_empty() && self.i3.is_empty() && self.i4.is_empty()
     }
 
-    fn report(&self) -> String {
+    pub(crate) fn report(&self) -> String {
         let mut out = String::new();
         for (name, v) in [
             ("I1 one final, last", &self.i1),
@@ -137,7 +137,7 @@ fn same_message(a: Option<u64>, b: Option<u64>) -> bool {
 }
 
 /// I1 and the chain rule on one id's records, in stream order.
-fn check_chain(id: &str, recs: &[Rec], v: &mut Violations) {
+pub(crate) fn check_chain(id: &str, recs: &[Rec], v: &mut Violations) {
     let mut prev: Option<&Rec> = None;
     for r in recs {
         if let Some(p) = prev.filter(|p| p.is_final) {
@@ -201,7 +201,7 @@ fn check_chain(id: &str, recs: &[Rec], v: &mut Violations) {
 }
 
 /// I4 for one published id: exactly one final, a success.
-fn check_final(id: &str, recs: &[Rec], v: &mut Violations) {
+pub(crate) fn check_final(id: &str, recs: &[Rec], v: &mut Violations) {
     let finals: Vec<&Rec> = recs.iter().filter(|r| r.is_final).collect();
     match finals.as_slice() {
         [] => v.i4.push(format!(
@@ -404,7 +404,9 @@ async fn tasks_in_queue(js: &jetstream::Context) -> Option<u64> {
 }
 
 /// Every record on `results.>`, by id, in stream order.
-async fn read_results(js: &jetstream::Context) -> (BTreeMap<String, Vec<Rec>>, usize, Vec<String>) {
+pub(crate) async fn read_results(
+    js: &jetstream::Context,
+) -> (BTreeMap<String, Vec<Rec>>, usize, Vec<String>) {
     let mut by_id: BTreeMap<String, Vec<Rec>> = BTreeMap::new();
     let mut unreadable = Vec::new();
     let mut total = 0;
