@@ -595,9 +595,11 @@ async fn pull_loop(
 ) {
     let mut failures = 0u32;
     loop {
+        // Shutdown first: with a free slot, both branches are ready.
         let first = tokio::select! {
-            p = sem.clone().acquire_owned() => p.expect("semaphore open"),
+            biased;
             _ = sh.shutdown.cancelled() => return,
+            p = sem.clone().acquire_owned() => p.expect("semaphore open"),
         };
         let mut permits = vec![first];
         while permits.len() < per_pull {
