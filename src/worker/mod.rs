@@ -190,6 +190,7 @@ fn random_suffix() -> String {
 
 /// Run a worker until `shutdown` fires, then drain and return.
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    crate::process::protect_secrets();
     let id = format!("{}-{}", cfg.name, random_suffix());
     let hostname = hostname::get()
         .ok()
