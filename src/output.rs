@@ -283,7 +283,9 @@ enum LiveMsg {
 }
 
 /// One attempt's live publisher: coalesces chunks per stream (at least
-/// [`LIVE_MIN_CHUNK`] or every [`LIVE_FLUSH_EVERY`]) and publishes them.
+/// [`LIVE_MIN_CHUNK`] or every [`LIVE_FLUSH_EVERY`]) and publishes them;
+/// what the rate cap skipped is announced with the next chunk (and at the
+/// end).
 async fn publish_live(
     live: LiveOutput,
     attempt: u32,
@@ -291,51 +293,60 @@ async fn publish_live(
 ) {
     use tokio::time::{sleep_until, Instant};
     let attempt = attempt.to_string();
-    let headers = |stream: &str| {
-        let mut h = async_nats::HeaderMap::new();
-        h.insert(HEADER_STREAM, stream);
-        h.insert(HEADER_ATTEMPT, attempt.as_str());
-        h
-    };
     let mut pending: Vec<u8> = Vec::new();
     let mut kind = StreamKind::Stdout;
     let mut since: Option<Instant> = None;
+    let mut skipped: u64 = 0;
     let far = Instant::now() + std::time::Duration::from_secs(10 * 365 * 24 * 3600);
-    loop {
-        let msg = tokio::select! {
-            m = rx.recv() => m,
-            _ = sleep_until(since.map(|t| t + LIVE_FLUSH_EVERY).unwrap_or(far)), if since.is_some() => {
-                let data = Bytes::from(std::mem::take(&mut pending));
-                live.publish(headers(kind.as_str()), data).await;
-                since = None;
-                continue;
-            }
-        };
-        let flush_now = match &msg {
-            None | Some(LiveMsg::Skipped(_)) => true,
-            Some(LiveMsg::Chunk(k, _)) => *k != kind,
-        };
-        if flush_now && !pending.is_empty() {
-            let data = Bytes::from(std::mem::take(&mut pending));
-            live.publish(headers(kind.as_str()), data).await;
-            since = None;
-        }
-        match msg {
-            None => return,
-            Some(LiveMsg::Skipped(n)) => {
+    // Publish `data` (if any) after the skipped notice (if any).
+    let flush = |data: Vec<u8>, kind: StreamKind, skipped: &mut u64| {
+        let live = live.clone();
+        let attempt = attempt.clone();
+        let n = std::mem::take(skipped);
+        async move {
+            let headers = |stream: &str| {
+                let mut h = async_nats::HeaderMap::new();
+                h.insert(HEADER_STREAM, stream);
+                h.insert(HEADER_ATTEMPT, attempt.as_str());
+                h
+            };
+            if n > 0 {
                 let mut h = headers("skipped");
                 h.insert(HEADER_SKIPPED, n.to_string().as_str());
                 live.publish(h, Bytes::new()).await;
             }
+            if !data.is_empty() {
+                live.publish(headers(kind.as_str()), Bytes::from(data))
+                    .await;
+            }
+        }
+    };
+    loop {
+        let msg = tokio::select! {
+            m = rx.recv() => m,
+            _ = sleep_until(since.map(|t| t + LIVE_FLUSH_EVERY).unwrap_or(far)), if since.is_some() => {
+                flush(std::mem::take(&mut pending), kind, &mut skipped).await;
+                since = None;
+                continue;
+            }
+        };
+        match msg {
+            None => {
+                flush(std::mem::take(&mut pending), kind, &mut skipped).await;
+                return;
+            }
+            Some(LiveMsg::Skipped(n)) => skipped += n,
             Some(LiveMsg::Chunk(k, data)) => {
+                if k != kind && !pending.is_empty() {
+                    flush(std::mem::take(&mut pending), kind, &mut skipped).await;
+                }
                 kind = k;
                 pending.extend_from_slice(&data);
                 since.get_or_insert_with(Instant::now);
                 while pending.len() >= LIVE_MIN_CHUNK {
                     let n = pending.len().min(LIVE_MAX_CHUNK);
                     let rest = pending.split_off(n);
-                    let data = Bytes::from(std::mem::replace(&mut pending, rest));
-                    live.publish(headers(kind.as_str()), data).await;
+                    flush(std::mem::replace(&mut pending, rest), kind, &mut skipped).await;
                     since = if pending.is_empty() {
                         None
                     } else {
@@ -365,8 +376,8 @@ impl LiveFeed {
         self.tokens = (self.tokens + now.duration_since(self.refilled).as_secs_f64() * LIVE_RATE)
             .min(LIVE_BURST);
         self.refilled = now;
-        let take = (self.tokens as usize).min(data.len());
-        if take == 0 {
+        // A chunk goes whole or not at all: no trickle of slivers.
+        if self.tokens < data.len() as f64 {
             self.skipped += data.len() as u64;
             return;
         }
@@ -383,11 +394,8 @@ impl LiveFeed {
         if self.skipped > 0 && tx.try_send(LiveMsg::Skipped(self.skipped)).is_ok() {
             self.skipped = 0;
         }
-        match tx.try_send(LiveMsg::Chunk(kind, Bytes::copy_from_slice(&data[..take]))) {
-            Ok(()) => {
-                self.tokens -= take as f64;
-                self.skipped += (data.len() - take) as u64;
-            }
+        match tx.try_send(LiveMsg::Chunk(kind, Bytes::copy_from_slice(data))) {
+            Ok(()) => self.tokens -= data.len() as f64,
             Err(_) => self.skipped += data.len() as u64,
         }
     }
