@@ -1,47 +1,49 @@
-//! End to end through a real nats-server and a worker running in this
-//! process (`jetworker::worker::run`, the daemon's own entry point):
+//! The JetStream path of the worker against a raw loop, in one run, through
+//! a real nats-server:
 //!
-//! - **throughput**: N tasks (`{"type":"command","command":"true"}`, then
-//!   `{"type":"shell","payload":"true"}`, each with its own id) published
-//!   as fast as the server takes them while the worker runs; tasks/s is N
-//!   over the time from the first publish to the last final result seen on
-//!   `results.>`. Every result must be a final `success`.
-//! - **latency**: a trickle of tasks sent one at a time, each published
-//!   only after the previous one's result arrived; p50/p99/max of publish →
-//!   result on `results.<id>`.
-//! - **peak RSS** (`VmHWM`) of this process — worker, bench client and
-//!   runtime, not the task processes — per slots setting (reset through
-//!   `/proc/self/clear_refs` before each) and overall.
+//! - **raw loop** (the reference): a minimal worker with no logic — pull
+//!   (at most one message per free slot, 64 slots), publish a result of the
+//!   same size as jetworker's to a file-backed results stream and wait for
+//!   its PubAck, ack. Same task messages, same storage.
+//! - **jetworker, trivial `http` tasks**: the daemon's own entry point
+//!   (`jetworker::worker::run`) in this process with 64 slots, each task a
+//!   GET to a local HTTP server that answers at once.
 //!
-//! Both are run for a worker with 2 and with 8 slots (a fresh worker each,
-//! same server). Publisher, worker, server and task processes share the
-//! machine, as they would on a single host; the worker and the bench share
-//! one 2-thread tokio runtime.
+//! For each: **throughput** (N tasks published as fast as the server takes
+//! them; tasks/s from the first publish to the last final result) and
+//! **latency** at a steady 100 tasks/s (p50/p99 of publish → final result
+//! seen on `results.>`). Printed: the ratio jetworker / raw, and the
+//! targets of DESIGN.md/BENCHMARKS.md (throughput ≥ 60 % of the raw loop;
+//! p50 ≤ 2 × raw p50 + the HTTP request's own p50, measured here too).
+//!
+//! **Round trips**: a wiretap subscription on `>` counts, per task, what the
+//! worker sends on the critical path: writes to `results.<id>` (each waits
+//! for a PubAck), reads of `results.<id>` (direct gets), and acks (not
+//! awaited).
 //!
 //! Run: `cargo bench --bench throughput` (needs `nats-server` on PATH or
 //! `NATS_SERVER_BIN`). Settings (environment): `BENCH_TASKS` (default
-//! 5000), `BENCH_TRICKLE` (200).
+//! 5000), `BENCH_PACED` (300 tasks at 100/s).
 
 mod common;
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream;
+use async_nats::jetstream::{self, consumer::pull, stream};
 use futures::StreamExt;
 use jetworker::config::WorkerConfig;
 use jetworker::protocol::{Names, Status, TaskResult};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-/// Slots settings compared.
-const SLOTS: [usize; 2] = [2, 8];
-/// Longest wait for one batch or one trickle task before the bench gives up.
+/// Slots of the raw loop and of the worker.
+const SLOTS: usize = 64;
+/// Longest wait for one result before the bench gives up.
 const GIVE_UP: Duration = Duration::from_secs(600);
-
-/// The two task kinds, as JSON without the id.
-const KINDS: [(&str, &str); 2] = [
-    ("command", r#""type":"command","command":"true""#),
-    ("shell", r#""type":"shell","payload":"true""#),
-];
+/// The paced load.
+const RATE_PER_S: u64 = 100;
 
 /// A worker running in this process; drained on [`Worker::stop`].
 struct Worker {
@@ -58,6 +60,7 @@ impl Worker {
         cfg.heartbeat = Duration::from_millis(500);
         cfg.offline_after = Duration::from_secs(3);
         cfg.drain_timeout = Duration::from_secs(10);
+        cfg.deny_private_http = false;
         cfg.name = format!("bench-s{slots}");
         let prefix = format!("{}-", cfg.name);
         let token = CancellationToken::new();
@@ -95,40 +98,41 @@ impl Worker {
     }
 }
 
-/// Final results of ids starting with a prefix, read from a `results.>`
-/// subscription made before anything is published.
-struct Results {
-    sub: async_nats::Subscriber,
+/// Where a path publishes its tasks and results.
+#[derive(Clone)]
+struct Path {
+    name: &'static str,
+    task_subject: String,
     results_prefix: String,
 }
 
+/// Final results on `<results_prefix>.>`, read from a subscription made
+/// before anything is published.
+struct Results {
+    sub: async_nats::Subscriber,
+}
+
 impl Results {
-    async fn subscribe(client: &async_nats::Client) -> Self {
-        let names = Names::default();
+    async fn subscribe(client: &async_nats::Client, path: &Path) -> Self {
         let sub = client
-            .subscribe(format!("{}.>", names.results_prefix))
+            .subscribe(format!("{}.>", path.results_prefix))
             .await
             .unwrap();
         client.flush().await.unwrap();
-        Results {
-            sub,
-            results_prefix: format!("{}.", names.results_prefix),
-        }
+        Results { sub }
     }
 
-    /// The next final result whose id starts with `id_prefix`; every such
-    /// result must be a success.
-    async fn next_final(&mut self, id_prefix: &str) -> TaskResult {
-        let want = format!("{}{id_prefix}", self.results_prefix);
+    /// The next final result; every result of an attempt must be a success.
+    async fn next_final(&mut self) -> TaskResult {
         loop {
             let msg = tokio::time::timeout(GIVE_UP, self.sub.next())
                 .await
-                .unwrap_or_else(|_| panic!("no result for {id_prefix}* within {GIVE_UP:?}"))
+                .unwrap_or_else(|_| panic!("no result within {GIVE_UP:?}"))
                 .expect("results subscription ended");
-            if !msg.subject.as_str().starts_with(&want) {
+            let r: TaskResult = serde_json::from_slice(&msg.payload).expect("result JSON");
+            if r.is_state() {
                 continue;
             }
-            let r: TaskResult = serde_json::from_slice(&msg.payload).expect("result JSON");
             assert!(
                 r.status == Status::Success,
                 "task {} ended {:?}: {:?}",
@@ -143,25 +147,25 @@ impl Results {
     }
 }
 
-fn task_json(kind: &str, id: &str) -> bytes::Bytes {
-    format!(r#"{{{kind},"id":"{id}"}}"#).into()
+fn task_json(url: &str, id: &str) -> bytes::Bytes {
+    format!(r#"{{"type":"http","url":"{url}","id":"{id}"}}"#).into()
 }
 
 /// Publish `n` tasks at once (up to 256 acks in flight), then wait for all
-/// their final results. Returns (tasks/s, seconds the publishing took).
+/// their final results: tasks/s.
 async fn throughput(
     js: &jetstream::Context,
+    path: &Path,
     results: &mut Results,
-    kind: &str,
+    url: &str,
     prefix: &str,
     n: usize,
-) -> (f64, f64) {
-    let subject = Names::default().task_subject("default");
+) -> f64 {
     let start = Instant::now();
     futures::stream::iter(0..n)
         .map(|i| {
-            let payload = task_json(kind, &format!("{prefix}{i:06}"));
-            let subject = subject.clone();
+            let payload = task_json(url, &format!("{prefix}{i:06}"));
+            let subject = path.task_subject.clone();
             async move {
                 js.publish(subject, payload)
                     .await
@@ -173,51 +177,221 @@ async fn throughput(
         .buffer_unordered(256)
         .for_each(|_| async {})
         .await;
-    let published = start.elapsed().as_secs_f64();
     let mut seen = std::collections::HashSet::with_capacity(n);
     while seen.len() < n {
-        seen.insert(results.next_final(prefix).await.id);
+        seen.insert(results.next_final().await.id);
     }
-    (n as f64 / start.elapsed().as_secs_f64(), published)
+    n as f64 / start.elapsed().as_secs_f64()
 }
 
-/// Publish → final result, one task at a time; sorted latencies.
-async fn trickle(
+/// Publish `n` tasks at a steady [`RATE_PER_S`]; sorted publish → final
+/// result latencies.
+async fn paced(
     js: &jetstream::Context,
+    path: &Path,
     results: &mut Results,
-    kind: &str,
+    url: &str,
     prefix: &str,
     n: usize,
 ) -> Vec<Duration> {
-    let subject = Names::default().task_subject("default");
+    let sent: Arc<std::sync::Mutex<HashMap<String, Instant>>> = Default::default();
+    let publisher = {
+        let js = js.clone();
+        let path = path.clone();
+        let url = url.to_string();
+        let prefix = prefix.to_string();
+        let sent = sent.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / RATE_PER_S));
+            for i in 0..n {
+                tick.tick().await;
+                let id = format!("{prefix}{i:06}");
+                sent.lock().unwrap().insert(id.clone(), Instant::now());
+                let ack = js
+                    .publish(path.task_subject.clone(), task_json(&url, &id))
+                    .await
+                    .expect("publish");
+                tokio::spawn(async move { ack.await.expect("publish ack") });
+            }
+        })
+    };
     let mut lat = Vec::with_capacity(n);
-    for i in 0..n {
-        let id = format!("{prefix}{i:06}");
-        let start = Instant::now();
-        js.publish(subject.clone(), task_json(kind, &id))
-            .await
-            .expect("publish")
-            .await
-            .expect("publish ack");
-        let r = results.next_final(prefix).await;
-        lat.push(start.elapsed());
-        assert_eq!(r.id, id, "results arrived out of order");
+    while lat.len() < n {
+        let r = results.next_final().await;
+        let at = Instant::now();
+        if let Some(t0) = sent.lock().unwrap().remove(&r.id) {
+            lat.push(at - t0);
+        }
     }
+    publisher.await.unwrap();
     lat.sort();
     lat
 }
 
-/// Wait until the TASKS stream is empty (every task acked).
-async fn wait_tasks_empty(js: &jetstream::Context) {
-    let mut stream = js.get_stream(&Names::default().tasks_stream).await.unwrap();
+/// Wait until a work-queue stream is empty (every task acked).
+async fn wait_empty(js: &jetstream::Context, stream: &str) {
+    let mut stream = js.get_stream(stream).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     while stream.info().await.unwrap().state.messages > 0 {
         assert!(
             Instant::now() < deadline,
-            "TASKS not empty 30s after the last result"
+            "stream not empty 30s after the last result"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The reference: pull → read the task's id → publish a result of the same
+/// shape and size as jetworker's (await the PubAck) → ack, with at most one
+/// message per free slot, until `stop`.
+async fn raw_loop(
+    js: jetstream::Context,
+    consumer: jetstream::consumer::PullConsumer,
+    sample: TaskResult,
+    stop: CancellationToken,
+) {
+    #[derive(serde::Deserialize)]
+    struct Id {
+        id: String,
+    }
+    let sample = Arc::new(sample);
+    let sem = Arc::new(Semaphore::new(SLOTS));
+    while !stop.is_cancelled() {
+        let first = sem.clone().acquire_owned().await.unwrap();
+        let mut permits = vec![first];
+        while let Ok(p) = sem.clone().try_acquire_owned() {
+            permits.push(p);
+        }
+        let Ok(mut batch) = consumer
+            .fetch()
+            .max_messages(permits.len())
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+        else {
+            continue;
+        };
+        while let Some(Ok(msg)) = batch.next().await {
+            let Some(permit) = permits.pop() else { break };
+            let js = js.clone();
+            let sample = sample.clone();
+            tokio::spawn(async move {
+                let id = serde_json::from_slice::<Id>(&msg.payload).unwrap().id;
+                let mut r = (*sample).clone();
+                r.idempotency_key = Some(id.clone());
+                r.id = id;
+                let body = bytes::Bytes::from(serde_json::to_vec(&r).unwrap());
+                js.publish(format!("raw.results.{}", r.id), body)
+                    .await
+                    .expect("publish result")
+                    .await
+                    .expect("result PubAck");
+                let _ = msg.ack().await;
+                drop(permit);
+            });
+        }
+    }
+}
+
+/// Set up the raw loop's streams and consumer (file storage, like TASKS and
+/// RESULTS).
+async fn raw_setup(js: &jetstream::Context) -> jetstream::consumer::PullConsumer {
+    let tasks = js
+        .create_stream(stream::Config {
+            name: "RAW".into(),
+            subjects: vec!["raw.tasks.>".into()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    js.create_stream(stream::Config {
+        name: "RAWRES".into(),
+        subjects: vec!["raw.results.>".into()],
+        storage: stream::StorageType::File,
+        allow_direct: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    tasks
+        .create_consumer(pull::Config {
+            durable_name: Some("raw".into()),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_ack_pending: 10_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+}
+
+/// A local HTTP server that answers every GET at once; its URL.
+async fn http_server() -> String {
+    let app = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}/")
+}
+
+/// p50 of the HTTP request alone (a client kept alive, as the worker's is).
+async fn http_p50(url: &str, n: usize) -> Duration {
+    let client = reqwest_client();
+    let mut lat = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t0 = Instant::now();
+        let r = client.get(url).send().await.unwrap();
+        let _ = r.bytes().await.unwrap();
+        lat.push(t0.elapsed());
+    }
+    lat.sort();
+    common::percentile(&lat, 50.0)
+}
+
+fn reqwest_client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder().build().unwrap()
+}
+
+/// Messages the worker sent per task, by kind, from a wiretap on `>`.
+#[derive(Default, Debug)]
+struct Tap {
+    result_writes: usize,
+    result_reads: usize,
+    acks: usize,
+    progress: usize,
+}
+
+async fn wiretap(client: &async_nats::Client) -> (Arc<std::sync::Mutex<Tap>>, CancellationToken) {
+    let mut sub = client.subscribe(">").await.unwrap();
+    client.flush().await.unwrap();
+    let tap: Arc<std::sync::Mutex<Tap>> = Default::default();
+    let stop = CancellationToken::new();
+    let (t, s) = (tap.clone(), stop.clone());
+    tokio::spawn(async move {
+        loop {
+            let m = tokio::select! {
+                m = sub.next() => match m { Some(m) => m, None => return },
+                _ = s.cancelled() => return,
+            };
+            let subj = m.subject.as_str();
+            let mut t = t.lock().unwrap();
+            if subj.starts_with("results.") {
+                t.result_writes += 1;
+            } else if subj.starts_with("$JS.API.DIRECT.GET.RESULTS") {
+                t.result_reads += 1;
+            } else if subj.starts_with("$JS.ACK.TASKS.") {
+                if m.payload.starts_with(b"+WPI") {
+                    t.progress += 1;
+                } else {
+                    t.acks += 1;
+                }
+            }
+        }
+    });
+    (tap, stop)
 }
 
 fn ms(d: Duration) -> f64 {
@@ -227,49 +401,137 @@ fn ms(d: Duration) -> f64 {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let n = common::env_usize("BENCH_TASKS", 5000);
-    let n_trickle = common::env_usize("BENCH_TRICKLE", 200);
+    let n_paced = common::env_usize("BENCH_PACED", 300);
     let server = common::NatsServer::start();
     let client = async_nats::connect(server.url()).await.unwrap();
     let js = jetstream::new(client.clone());
-    let mut results = Results::subscribe(&client).await;
+    let url = http_server().await;
     let run = std::process::id();
-    let mut overall_peak: f64 = 0.0;
-
     println!(
-        "throughput: {n} tasks per batch, trickle of {n_trickle}; {} CPUs",
+        "throughput: {n} tasks per batch, {n_paced} paced at {RATE_PER_S}/s, {SLOTS} slots; {} CPUs",
         std::thread::available_parallelism().map_or(0, |p| p.get())
     );
+
+    // The reference.
+    let raw = Path {
+        name: "raw loop",
+        task_subject: "raw.tasks.default".into(),
+        results_prefix: "raw.results".into(),
+    };
+    let consumer = raw_setup(&js).await;
+    let sample = {
+        let mut r = TaskResult::blank(
+            "b000000-http-000000",
+            "default",
+            Some(jetworker::protocol::TaskType::Http),
+            Status::Success,
+            1,
+            3,
+            "bench-s64-0123abcd",
+            chrono::Utc::now(),
+        );
+        r.http_status = Some(200);
+        r.output = "ok".into();
+        r.output_bytes = 2;
+        r.idempotency_key = Some(r.id.clone());
+        r.task_seq = Some(1);
+        r
+    };
+    let stop_raw = CancellationToken::new();
+    let raw_task = tokio::spawn(raw_loop(js.clone(), consumer, sample, stop_raw.clone()));
+    let mut results = Results::subscribe(&client, &raw).await;
+    let raw_rate = throughput(&js, &raw, &mut results, &url, &format!("r{run}-"), n).await;
+    wait_empty(&js, "RAW").await;
+    let raw_lat = paced(&js, &raw, &mut results, &url, &format!("rp{run}-"), n_paced).await;
+    stop_raw.cancel();
+    let _ = raw_task.await;
+    drop(results);
+
+    // jetworker.
+    let worker_path = Path {
+        name: "jetworker http",
+        task_subject: Names::default().task_subject("default"),
+        results_prefix: Names::default().results_prefix,
+    };
+    let can_reset = common::reset_peak_rss();
+    let worker = Worker::start(&server.url(), &js, SLOTS).await;
+    let mut results = Results::subscribe(&client, &worker_path).await;
+    let rate = throughput(
+        &js,
+        &worker_path,
+        &mut results,
+        &url,
+        &format!("b{run}-"),
+        n,
+    )
+    .await;
+    wait_empty(&js, &Names::default().tasks_stream).await;
+    let (tap, stop_tap) = wiretap(&client).await;
+    let lat = paced(
+        &js,
+        &worker_path,
+        &mut results,
+        &url,
+        &format!("p{run}-"),
+        n_paced,
+    )
+    .await;
+    wait_empty(&js, &Names::default().tasks_stream).await;
+    stop_tap.cancel();
+    worker.stop().await;
+    let peak = common::peak_rss_mib();
+    let http = http_p50(&url, 500).await;
+
     println!(
-        "{:>5}  {:<7}  {:>8}  {:>10}  {:>9}  {:>9}  {:>9}",
-        "slots", "type", "tasks/s", "publish s", "p50 ms", "p99 ms", "max ms"
+        "{:<16}  {:>8}  {:>9}  {:>9}  {:>9}",
+        "path", "tasks/s", "p50 ms", "p99 ms", "max ms"
     );
-    for slots in SLOTS {
-        let can_reset = common::reset_peak_rss();
-        let worker = Worker::start(&server.url(), &js, slots).await;
-        for (kind_name, kind) in KINDS {
-            let prefix = format!("b{run}-s{slots}-{kind_name}-");
-            let (rate, published) = throughput(&js, &mut results, kind, &prefix, n).await;
-            wait_tasks_empty(&js).await;
-            let prefix = format!("t{run}-s{slots}-{kind_name}-");
-            let lat = trickle(&js, &mut results, kind, &prefix, n_trickle).await;
-            println!(
-                "{slots:>5}  {kind_name:<7}  {rate:>8.0}  {published:>10.2}  {:>9.1}  {:>9.1}  {:>9.1}",
-                ms(common::percentile(&lat, 50.0)),
-                ms(common::percentile(&lat, 99.0)),
-                ms(*lat.last().unwrap()),
-            );
-        }
-        worker.stop().await;
-        let peak = common::peak_rss_mib();
-        overall_peak = overall_peak.max(peak);
+    for (name, rate, lat) in [
+        (raw.name, raw_rate, &raw_lat),
+        (worker_path.name, rate, &lat),
+    ] {
         println!(
-            "       peak RSS with {slots} slots: {peak:.1} MiB{}",
-            if can_reset {
-                ""
-            } else {
-                " (cannot reset VmHWM here: cumulative)"
-            }
+            "{name:<16}  {rate:>8.0}  {:>9.2}  {:>9.2}  {:>9.2}",
+            ms(common::percentile(lat, 50.0)),
+            ms(common::percentile(lat, 99.0)),
+            ms(*lat.last().unwrap()),
         );
     }
-    println!("peak RSS of the bench process (VmHWM): {overall_peak:.1} MiB");
+    let raw_p50 = common::percentile(&raw_lat, 50.0);
+    let p50 = common::percentile(&lat, 50.0);
+    let limit = raw_p50 * 2 + http;
+    println!(
+        "throughput ratio jetworker/raw: {:.0} % (target ≥ 60 %)",
+        100.0 * rate / raw_rate
+    );
+    println!(
+        "p50: {:.2} ms against 2 × raw p50 + HTTP p50 = 2 × {:.2} + {:.2} = {:.2} ms ({})",
+        ms(p50),
+        ms(raw_p50),
+        ms(http),
+        ms(limit),
+        if p50 <= limit {
+            "within the target"
+        } else {
+            "over the target"
+        }
+    );
+    let t = tap.lock().unwrap();
+    let per = |x: usize| x as f64 / n_paced as f64;
+    println!(
+        "per task on the critical path: {:.2} awaited writes to results.<id> (claim, result), \
+         {:.2} reads of results.<id>, {:.2} acks (not awaited), {:.2} progress acks",
+        per(t.result_writes),
+        per(t.result_reads),
+        per(t.acks),
+        per(t.progress)
+    );
+    println!(
+        "peak RSS of the bench process with the worker (VmHWM): {peak:.1} MiB{}",
+        if can_reset {
+            ""
+        } else {
+            " (cannot reset VmHWM here: cumulative)"
+        }
+    );
 }

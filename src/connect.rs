@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use async_nats::{Client, ConnectOptions, Event};
 
-use crate::config::ConnectConfig;
+use crate::config::{ConfigError, ConnectConfig};
 
 /// Oldest server the worker accepts.
 pub const MIN_SERVER: (u64, u64) = (2, 11);
@@ -60,14 +60,32 @@ pub async fn options(cfg: &ConnectConfig, name: &str) -> anyhow::Result<ConnectO
             .add_client_certificate(c.clone(), k.clone())
             .require_tls(true);
     }
-    Ok(o)
+    if cfg.tls_first {
+        o = o.tls_first().require_tls(true);
+    }
+    if let Some(p) = &cfg.inbox_prefix {
+        o = o.custom_inbox_prefix(p);
+    }
+    Ok(o.connection_timeout(cfg.api_timeout))
+}
+
+/// The JetStream context for `client`: the configured domain (`--js-domain`:
+/// `$JS.<domain>.API`) and the API timeout. The worker and every operator
+/// command use this one, so both reach the same streams.
+pub fn jetstream(client: Client, cfg: &ConnectConfig) -> async_nats::jetstream::Context {
+    use async_nats::jetstream::ContextBuilder;
+    match &cfg.js_domain {
+        Some(d) => ContextBuilder::new()
+            .timeout(cfg.api_timeout)
+            .domain(d.clone())
+            .build(client),
+        None => ContextBuilder::new().timeout(cfg.api_timeout).build(client),
+    }
 }
 
 /// Connect once (operator commands): fail fast with a clear message.
 pub async fn connect_cli(cfg: &ConnectConfig) -> anyhow::Result<Client> {
-    let o = options(cfg, "jetworker-cli")
-        .await?
-        .connection_timeout(Duration::from_secs(5));
+    let o = options(cfg, "jetworker-cli").await?;
     let client = o
         .connect(cfg.servers.clone())
         .await
@@ -85,13 +103,22 @@ pub async fn connect_cli(cfg: &ConnectConfig) -> anyhow::Result<Client> {
 /// Connect for a long-running worker: keep trying until the server is up
 /// (a worker started beside its server in compose must not crash), report
 /// connection events through `on_event`.
+///
+/// The keepalive ping runs every quarter of `ack_wait`: the client gives a
+/// connection up after three unanswered pings, so a silently dropped link
+/// is noticed within ack wait rather than after async-nats' default of
+/// about three minutes. (Leases do not depend on it: they are counted from
+/// confirmed progress acks.) Unreadable credentials are a [`ConfigError`].
 pub async fn connect_worker(
     cfg: &ConnectConfig,
     name: &str,
+    ack_wait: Duration,
     on_event: std::sync::Arc<dyn Fn(Event) + Send + Sync>,
 ) -> anyhow::Result<Client> {
     let o = options(cfg, name)
-        .await?
+        .await
+        .map_err(|e| ConfigError::new("connection", format!("{e:#}")))?
+        .ping_interval(keepalive(ack_wait))
         .retry_on_initial_connect()
         .connection_timeout(Duration::from_secs(5))
         .reconnect_delay_callback(|attempts| {
@@ -122,8 +149,23 @@ pub async fn connect_worker(
     Ok(client)
 }
 
-/// Refuse servers older than [`MIN_SERVER`] and servers without JetStream.
+/// Refuse servers older than [`MIN_SERVER`] and servers without JetStream
+/// (operator commands, which fail fast).
 pub fn check_server(client: &Client) -> anyhow::Result<()> {
+    check_server_version(client)?;
+    if !client.server_info().jetstream {
+        bail!("JetStream is not enabled on the server (start nats-server with -js)");
+    }
+    Ok(())
+}
+
+/// The keepalive ping interval for a worker whose leases last `ack_wait`.
+pub fn keepalive(ack_wait: Duration) -> Duration {
+    (ack_wait / 4).clamp(Duration::from_millis(500), Duration::from_secs(30))
+}
+
+/// Refuse servers older than [`MIN_SERVER`] (what no restart fixes).
+pub fn check_server_version(client: &Client) -> anyhow::Result<()> {
     let info = client.server_info();
     let Some((a, b, _)) = parse_version(&info.version) else {
         bail!("cannot read the server version `{}`", info.version);
@@ -135,9 +177,6 @@ pub fn check_server(client: &Client) -> anyhow::Result<()> {
             MIN_SERVER.0,
             MIN_SERVER.1
         );
-    }
-    if !info.jetstream {
-        bail!("JetStream is not enabled on the server (start nats-server with -js)");
     }
     Ok(())
 }

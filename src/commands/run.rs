@@ -1,4 +1,9 @@
 //! `jetworker run`: the worker daemon until SIGTERM or SIGINT.
+//!
+//! Exit codes: 0 after a clean stop; 2 for a configuration error (a bad
+//! setting, an unreadable credential, a server too old) that no restart
+//! fixes; 1 for anything else, which a supervisor should restart.
+//! Transient broker trouble at start is retried inside, not an exit.
 
 use super::Exit;
 use crate::config::WorkerConfig;
@@ -11,6 +16,15 @@ pub async fn run(cfg: WorkerConfig) -> anyhow::Result<Exit> {
         tracing::info!("shutdown requested: draining");
         s.cancel();
     });
-    crate::worker::run(cfg, shutdown).await?;
-    Ok(Exit::Ok)
+    match crate::worker::run(cfg, shutdown).await {
+        Ok(()) => Ok(Exit::Ok),
+        // Exit 2: nothing a restart can fix.
+        Err(e) if e.downcast_ref::<crate::config::ConfigError>().is_some() => Err(e),
+        // Exit 1: anything else; a supervisor should restart the worker.
+        Err(e) => {
+            tracing::error!("worker failed: {e:#}");
+            eprintln!("jetworker: {e:#}");
+            Ok(Exit::NotSucceeded)
+        }
+    }
 }

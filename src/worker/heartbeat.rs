@@ -14,7 +14,7 @@ use crate::protocol::Heartbeat;
 
 /// The current heartbeat value.
 pub fn value(sh: &Shared) -> Heartbeat {
-    let tasks = sh.running_ids();
+    let tasks = sh.running.ids();
     Heartbeat {
         id: sh.id.clone(),
         hostname: sh.hostname.clone(),
@@ -31,8 +31,9 @@ pub fn value(sh: &Shared) -> Heartbeat {
     }
 }
 
-/// Beat until `stop` fires.
-pub async fn beat(sh: Arc<Shared>, stop: CancellationToken) {
+/// Beat until `stop` fires; `first` fires once the first beat is stored
+/// (the worker pulls only after that: see [`super::records::held_elsewhere`]).
+pub async fn beat(sh: Arc<Shared>, stop: CancellationToken, first: CancellationToken) {
     let mut tick = tokio::time::interval(sh.cfg.heartbeat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
@@ -51,6 +52,7 @@ pub async fn beat(sh: Arc<Shared>, stop: CancellationToken) {
         let put = sh.infra.workers.put(&sh.id, v.into());
         match tokio::time::timeout(Duration::from_secs(5), put).await {
             Ok(Ok(_)) => {
+                first.cancel();
                 if failing {
                     debug!("heartbeats resumed");
                 }

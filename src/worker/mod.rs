@@ -1,24 +1,33 @@
 //! The worker daemon: start-up (connect, check the server, create the
-//! streams, consumers and buckets), one puller per label that never leases
-//! more messages than free slots, the per-task handler ([`task`]),
-//! heartbeats, the cancel watcher, lease-loss detection, the outbox, and the
-//! drain on shutdown (DESIGN.md sections 1, 5 and 6).
+//! streams, consumers and buckets, retrying while the broker is not ready),
+//! one puller per label that never leases more messages than free slots,
+//! the task lifecycle ([`lifecycle`]), heartbeats, the cancel and workers
+//! watches, the outbox, and the drain on shutdown (DESIGN.md sections 1, 5
+//! and 6).
+//!
+//! Layout: [`lifecycle`] handles one message and is the only code that
+//! answers the broker; [`records`] reads and builds the records on
+//! `results.<id>` (every write a compare-and-set); [`outbox`] is the one
+//! delivery loop for what must be stored; [`running`] is the registry of
+//! running tasks, whose guard unregisters on drop.
 //!
 //! Shutdown: the `shutdown` token stops the pullers; running tasks get
-//! `drain_timeout` to finish; the rest are stopped and Nak'ed for immediate
-//! redelivery; the heartbeat key is deleted; the connection is flushed.
+//! `drain_timeout` to finish; the rest are stopped, recorded `queued` and
+//! handed back for immediate redelivery; the heartbeat key is deleted; the
+//! connection is flushed.
 
 mod heartbeat;
+mod lifecycle;
 pub mod outbox;
-mod task;
+mod records;
+mod running;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::Context as _;
-use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
+use async_nats::jetstream::{self, consumer::PullConsumer, kv};
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use rand::Rng;
@@ -27,10 +36,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
 
-use crate::config::{LeaseLost, WorkerConfig};
+use crate::config::{ConfigError, WorkerConfig};
 use crate::metrics::Metrics;
-use crate::protocol::{Names, TaskType, ValidationLimits};
-use crate::runner::{self, Runners, Stop, StopKind};
+use crate::protocol::{Heartbeat, Names, Task, TaskType, ValidationLimits};
+use crate::runner::{self, Runners, StopKind};
 use crate::setup::{self, Infra, SetupOptions};
 
 /// How long one pull request waits at the server for messages.
@@ -38,12 +47,11 @@ const PULL_EXPIRES: Duration = Duration::from_secs(2);
 /// Room left in a result message for everything but the output.
 const RESULT_OVERHEAD: usize = 16 * 1024;
 
-/// Connection state, fed by the client's event callback; used to detect a
-/// lost lease and for `/readyz`.
-#[derive(Default)]
+/// Connection state, fed by the client's event callback: for `/readyz`
+/// and for the outbox, which waits for a connection rather than spin.
 pub struct ConnState {
     connected: AtomicBool,
-    disconnected_at: Mutex<Option<Instant>>,
+    metrics: Arc<Metrics>,
 }
 
 impl ConnState {
@@ -51,24 +59,16 @@ impl ConnState {
         match e {
             async_nats::Event::Connected => {
                 self.connected.store(true, Ordering::SeqCst);
-                *self.disconnected_at.lock().unwrap() = None;
                 info!("connected to NATS");
             }
             async_nats::Event::Disconnected => {
                 self.connected.store(false, Ordering::SeqCst);
-                self.disconnected_at
-                    .lock()
-                    .unwrap()
-                    .get_or_insert_with(Instant::now);
+                // Ready again once a pull succeeds on the new connection.
+                self.metrics.ready.store(false, Ordering::Relaxed);
                 warn!("disconnected from NATS; reconnecting");
             }
             other => debug!(event = %other, "NATS event"),
         }
-    }
-
-    /// How long the worker has been cut off, if it is.
-    pub fn cut_off_for(&self) -> Option<Duration> {
-        self.disconnected_at.lock().unwrap().map(|t| t.elapsed())
     }
 
     pub fn is_connected(&self) -> bool {
@@ -96,8 +96,14 @@ pub struct Shared {
     pub max_payload: usize,
     /// The consumers' real ack wait (the smallest, if they differ).
     pub ack_wait: Duration,
-    /// Running tasks by id, with the handle that stops each.
-    running: Mutex<HashMap<String, Stop>>,
+    /// Tasks running here.
+    running: Arc<running::Running>,
+    /// Keys of KV `cancel` (id → reason), kept by [`watch_cancels`]: a task
+    /// is checked against it without a round trip.
+    cancels: Mutex<HashMap<String, String>>,
+    /// Heartbeats of the online workers (KV `workers`), kept by
+    /// [`watch_workers`].
+    workers: Mutex<HashMap<String, Heartbeat>>,
     counts: Mutex<BTreeMap<String, u64>>,
     pub outbox: outbox::Outbox,
     pub conn: Arc<ConnState>,
@@ -116,48 +122,6 @@ pub struct Shared {
 }
 
 impl Shared {
-    /// Register a running task; false if the same id already runs here.
-    fn start_task(&self, id: &str, stop: Stop) -> bool {
-        let mut m = self.running.lock().unwrap();
-        if m.contains_key(id) {
-            return false;
-        }
-        m.insert(id.to_string(), stop);
-        self.metrics.running.set(m.len() as i64);
-        true
-    }
-
-    fn end_task(&self, id: &str) {
-        let mut m = self.running.lock().unwrap();
-        m.remove(id);
-        self.metrics.running.set(m.len() as i64);
-    }
-
-    /// Stop a running task (cancel watcher, shutdown, lease loss).
-    fn stop_task(&self, id: &str, kind: StopKind, reason: &str) -> bool {
-        match self.running.lock().unwrap().get(id) {
-            Some(r) => {
-                r.fire(kind, reason);
-                true
-            }
-            None => false,
-        }
-    }
-
-    fn stop_all(&self, kind: StopKind, reason: &str) -> usize {
-        let m = self.running.lock().unwrap();
-        for r in m.values() {
-            r.fire(kind, reason);
-        }
-        m.len()
-    }
-
-    fn running_ids(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.running.lock().unwrap().keys().cloned().collect();
-        v.sort();
-        v
-    }
-
     fn count(&self, status: &str) {
         *self
             .counts
@@ -170,6 +134,54 @@ impl Shared {
     fn counts(&self) -> BTreeMap<String, u64> {
         self.counts.lock().unwrap().clone()
     }
+
+    /// The reason of a cancel key for `id`, if there is one.
+    fn cancel_reason(&self, id: &str) -> Option<String> {
+        self.cancels.lock().unwrap().get(id).cloned()
+    }
+
+    /// Whether a worker with this id has a heartbeat.
+    fn workers_online(&self, id: &str) -> bool {
+        id == self.id || self.workers.lock().unwrap().contains_key(id)
+    }
+
+    /// Whether another online worker serves `label` and runs `ty`.
+    fn type_served(&self, label: &str, ty: TaskType) -> bool {
+        self.workers.lock().unwrap().values().any(|h| {
+            h.id != self.id && h.labels.iter().any(|l| l == label) && h.types.contains(&ty)
+        })
+    }
+
+    /// Create the streams and buckets again (one was deleted under us).
+    async fn recreate_streams(&self) -> anyhow::Result<()> {
+        setup::ensure_all(&self.js, &self.names, &setup_options(&self.cfg)).await?;
+        Ok(())
+    }
+}
+
+/// What the worker creates when a stream or bucket is missing.
+fn setup_options(cfg: &WorkerConfig) -> SetupOptions {
+    SetupOptions {
+        offline_after: cfg.offline_after,
+        ..Default::default()
+    }
+}
+
+/// The reserved variables, then the task's `env` (which validation keeps
+/// from overriding them).
+fn task_env(task: &Task, attempt: u32) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    env.insert("IDEMPOTENCY_KEY".to_string(), task.idempotency_key.clone());
+    env.insert("SCHEDULE_INSTANCE_ID".to_string(), task.id.clone());
+    env.insert("ATTEMPT".to_string(), attempt.to_string());
+    if let Some(s) = task.shard {
+        env.insert("SHARD_NO".to_string(), s.no.to_string());
+        env.insert("SHARD_TOTAL".to_string(), s.total.to_string());
+    }
+    for (k, v) in &task.env {
+        env.insert(k.clone(), v.clone());
+    }
+    env
 }
 
 /// Wait for SIGTERM or SIGINT.
@@ -189,6 +201,11 @@ fn random_suffix() -> String {
 }
 
 /// Run a worker until `shutdown` fires, then drain and return.
+///
+/// Errors: a [`ConfigError`] for what no restart can fix (settings, an
+/// unreadable credential, a server too old); anything else is worth a
+/// restart. Transient broker trouble at start (JetStream not ready, API
+/// timeouts, no responders) is retried here with backoff, not returned.
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     crate::process::protect_secrets();
     let id = format!("{}-{}", cfg.name, random_suffix());
@@ -196,11 +213,19 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         .ok()
         .and_then(|h| h.into_string().ok())
         .unwrap_or_else(|| "unknown".into());
-    std::fs::create_dir_all(&cfg.state_dir)
-        .with_context(|| format!("state_dir: cannot create {}", cfg.state_dir.display()))?;
+    std::fs::create_dir_all(&cfg.state_dir).map_err(|e| {
+        ConfigError::new(
+            "state_dir",
+            format!("cannot create {}: {e}", cfg.state_dir.display()),
+        )
+    })?;
     let _ = rustls::crypto::ring::default_provider().install_default();
 
-    let conn = Arc::new(ConnState::default());
+    let metrics = Arc::new(Metrics::new());
+    let conn = Arc::new(ConnState {
+        connected: AtomicBool::new(false),
+        metrics: metrics.clone(),
+    });
     // Until it pulls, a worker waiting for NATS or for its streams must
     // still stop at once on SIGTERM.
     let started = tokio::select! {
@@ -219,7 +244,9 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         ack_wait,
     } = started;
     let task_user = match &cfg.task_user {
-        Some(u) => Some(crate::process::resolve_user(u).map_err(anyhow::Error::msg)?),
+        Some(u) => {
+            Some(crate::process::resolve_user(u).map_err(|e| ConfigError::new("task_user", e))?)
+        }
         None => None,
     };
     let process = runner::command::ProcessRunner::new(
@@ -229,7 +256,12 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         &cfg.state_dir,
         cfg.cgroups,
     )
-    .context("state_dir: cannot prepare the working directories")?;
+    .map_err(|e| {
+        ConfigError::new(
+            "state_dir",
+            format!("cannot prepare the working directories: {e}"),
+        )
+    })?;
     let reaped = process.reap_orphans();
     if reaped > 0 {
         warn!(
@@ -287,9 +319,8 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             max_payload, "output cap clamped to fit the server's max_payload"
         );
     }
-    let outbox =
-        outbox::Outbox::open(&cfg.state_dir).context("state_dir: cannot open the outbox")?;
-    let metrics = Arc::new(Metrics::new());
+    let outbox = outbox::Outbox::open(&cfg.state_dir)
+        .map_err(|e| ConfigError::new("state_dir", format!("cannot open the outbox: {e}")))?;
     let validation = ValidationLimits {
         max_task_bytes: cfg.max_task_bytes,
         allowed_networks: cfg.allowed_networks.clone(),
@@ -307,7 +338,9 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         output_cap,
         max_payload,
         ack_wait,
-        running: Mutex::new(HashMap::new()),
+        running: running::Running::new(metrics.running.clone()),
+        cancels: Mutex::new(HashMap::new()),
+        workers: Mutex::new(HashMap::new()),
         counts: Mutex::new(BTreeMap::new()),
         outbox,
         conn,
@@ -333,20 +366,50 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     }
 
     let background = CancellationToken::new();
-    let hb = tokio::spawn(heartbeat::beat(sh.clone(), background.clone()));
-    tokio::spawn(watch_cancels(sh.clone(), background.clone()));
-    tokio::spawn(watch_lease(sh.clone(), background.clone()));
-    // Results an earlier life left behind go out before any pulling, so a
-    // redelivered task finds its result and is not run again.
-    if tokio::time::timeout(
-        Duration::from_secs(10),
-        flush_outbox(sh.clone(), background.clone()),
-    )
-    .await
-    .is_err()
+    let first_beat = CancellationToken::new();
+    let hb = tokio::spawn(heartbeat::beat(
+        sh.clone(),
+        background.clone(),
+        first_beat.clone(),
+    ));
+    // Cancel keys and heartbeats are read before any pulling, so that the
+    // first task already sees a cancel put while it was queued.
+    let cancels_current = CancellationToken::new();
+    let workers_current = CancellationToken::new();
+    tokio::spawn(watch_cancels(
+        sh.clone(),
+        background.clone(),
+        cancels_current.clone(),
+    ));
+    tokio::spawn(watch_workers(
+        sh.clone(),
+        background.clone(),
+        workers_current.clone(),
+    ));
+    let caught_up = async {
+        cancels_current.cancelled().await;
+        workers_current.cancelled().await;
+    };
+    if tokio::time::timeout(Duration::from_secs(10), caught_up)
+        .await
+        .is_err()
     {
-        warn!("outbox not empty after 10s; publishing it in the background");
-        tokio::spawn(flush_outbox(sh.clone(), background.clone()));
+        warn!("the cancel and workers buckets were not read within 10s; going on");
+    }
+    // Other workers must see this one online before any claim of its own
+    // (a claim of an online worker is waited for, never taken over).
+    tokio::select! {
+        _ = first_beat.cancelled() => {}
+        _ = shutdown.cancelled() => {}
+    }
+    // Records an earlier life left behind go out before any pulling, so a
+    // redelivered task finds its result and is not run again.
+    if tokio::time::timeout(Duration::from_secs(10), replay_outbox(sh.clone()))
+        .await
+        .is_err()
+    {
+        warn!("outbox not empty after 10s; delivering it in the background");
+        tokio::spawn(replay_outbox(sh.clone()));
     }
 
     let tracker = TaskTracker::new();
@@ -363,17 +426,18 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
             per_pull,
         )));
     }
-    metrics.ready.store(true, Ordering::Relaxed);
 
     shutdown.cancelled().await;
+    // The drain timeout counts from the request to stop.
+    let drain_until = tokio::time::Instant::now() + sh.cfg.drain_timeout;
     metrics.ready.store(false, Ordering::Relaxed);
     info!(
-        running = sh.running_ids().len(),
+        running = sh.running.ids().len(),
         "stopping: no new tasks; draining"
     );
     // A puller finishes its current pull (at most PULL_EXPIRES); one stuck
     // on a dead connection is abandoned: what it may still receive is
-    // redelivered after ack wait.
+    // redelivered after ack wait. Running tasks go on meanwhile.
     for p in pullers {
         let abort = p.abort_handle();
         if tokio::time::timeout(PULL_EXPIRES + Duration::from_secs(3), p)
@@ -384,16 +448,18 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         }
     }
     tracker.close();
-    if tokio::time::timeout(sh.cfg.drain_timeout, tracker.wait())
+    if tokio::time::timeout_at(drain_until, tracker.wait())
         .await
         .is_err()
     {
-        let n = sh.stop_all(StopKind::Shutdown, "worker shutting down");
+        let n = sh
+            .running
+            .stop_all(StopKind::Shutdown, "worker shutting down");
         warn!(
             tasks = n,
             "drain timeout reached: stopping the remaining tasks for redelivery"
         );
-        // They need the kill grace, then a moment to Nak.
+        // They need the kill grace, then a moment to report and Nak.
         let extra = sh.cfg.kill_grace + Duration::from_secs(5);
         if tokio::time::timeout(extra, tracker.wait()).await.is_err() {
             sh.abandon.cancel();
@@ -431,24 +497,66 @@ struct StartUp {
     ack_wait: Duration,
 }
 
-/// Connect, check the server, create or check streams, buckets and the
-/// label consumers.
+/// Connect, check the server, then create or check streams, buckets and
+/// the label consumers — retrying that part with backoff while the broker
+/// is not ready (JetStream off or still electing, API timeouts, no
+/// responders), because a restart would not do better.
 async fn start_up(cfg: &WorkerConfig, id: &str, conn: Arc<ConnState>) -> anyhow::Result<StartUp> {
     let c2 = conn.clone();
-    let client =
-        crate::connect::connect_worker(&cfg.connect, id, Arc::new(move |e| c2.on_event(&e)))
-            .await?;
+    let client = crate::connect::connect_worker(
+        &cfg.connect,
+        id,
+        cfg.ack_wait,
+        Arc::new(move |e| c2.on_event(&e)),
+    )
+    .await?;
     conn.connected.store(true, Ordering::SeqCst);
-    crate::connect::check_server(&client)?;
-    let js = jetstream::ContextBuilder::new()
-        .timeout(Duration::from_secs(10))
-        .build(client.clone());
+    crate::connect::check_server_version(&client)
+        .map_err(|e| ConfigError::new("server", format!("{e:#}")))?;
+    let js = crate::connect::jetstream(client.clone(), &cfg.connect);
     let names = cfg.connect.names.clone();
-    let opts = SetupOptions {
-        offline_after: cfg.offline_after,
-        ..Default::default()
-    };
-    let infra = setup::ensure_all(&js, &names, &opts).await?;
+    let mut delay = Duration::from_millis(500);
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        match prepare(&client, &js, cfg, &names).await {
+            Ok((infra, consumers, ack_wait)) => {
+                if tries > 1 {
+                    info!(tries, "JetStream ready");
+                }
+                return Ok(StartUp {
+                    client,
+                    js,
+                    names,
+                    infra,
+                    consumers,
+                    ack_wait,
+                });
+            }
+            Err(e) => {
+                if tries == 1 || tries.is_multiple_of(10) {
+                    warn!(retry_in = ?delay, tries, "JetStream not ready: {e:#}; retrying");
+                } else {
+                    debug!("JetStream not ready: {e:#}");
+                }
+            }
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(10));
+    }
+}
+
+/// The JetStream part of start-up (streams, buckets, label consumers).
+async fn prepare(
+    client: &async_nats::Client,
+    js: &jetstream::Context,
+    cfg: &WorkerConfig,
+    names: &Names,
+) -> anyhow::Result<(Infra, Vec<(String, PullConsumer)>, Duration)> {
+    if !client.server_info().jetstream {
+        anyhow::bail!("JetStream is not enabled on the server (start nats-server with -js)");
+    }
+    let infra = setup::ensure_all(js, names, &setup_options(cfg)).await?;
     // The bucket's max age is the offline TTL for every worker; the first to
     // create it (or `jetworker setup`) decides.
     if let Ok(status) = infra.workers.status().await {
@@ -460,7 +568,7 @@ async fn start_up(cfg: &WorkerConfig, id: &str, conn: Arc<ConnState>) -> anyhow:
     let mut consumers = Vec::new();
     let mut ack_wait = cfg.ack_wait;
     for label in &cfg.labels {
-        let mut c = setup::ensure_label_consumer(&infra.tasks, &names, label, cfg.ack_wait).await?;
+        let mut c = setup::ensure_label_consumer(&infra.tasks, names, label, cfg.ack_wait).await?;
         let real = c
             .info()
             .await
@@ -473,18 +581,11 @@ async fn start_up(cfg: &WorkerConfig, id: &str, conn: Arc<ConnState>) -> anyhow:
         ack_wait = ack_wait.min(real);
         consumers.push((label.clone(), c));
     }
-
-    Ok(StartUp {
-        client,
-        js,
-        names,
-        infra,
-        consumers,
-        ack_wait,
-    })
+    Ok((infra, consumers, ack_wait))
 }
 
 /// Pull from one label's consumer, never leasing more than free slots.
+/// Ready (`/readyz`) while pulls succeed on a live connection.
 async fn pull_loop(
     sh: Arc<Shared>,
     label: String,
@@ -515,10 +616,14 @@ async fn pull_loop(
         let mut batch = match batch {
             Ok(b) => {
                 failures = 0;
+                sh.metrics
+                    .ready
+                    .store(sh.conn.is_connected(), Ordering::Relaxed);
                 b
             }
             Err(e) => {
                 failures += 1;
+                sh.metrics.ready.store(false, Ordering::Relaxed);
                 if failures == 1 || failures.is_multiple_of(30) {
                     warn!(label, "pull failed: {e}");
                 }
@@ -546,24 +651,31 @@ async fn pull_loop(
         while let Some(item) = batch.next().await {
             match item {
                 Ok(msg) => {
-                    if sh.shutdown.is_cancelled() {
-                        // Arrived after we stopped: hand it straight back.
-                        let _ = msg.ack_with(AckKind::Nak(None)).await;
-                        continue;
-                    }
-                    let Some(permit) = permits.pop() else {
-                        // The server sent more than asked: give it back.
-                        let _ = msg.ack_with(AckKind::Nak(None)).await;
-                        continue;
+                    // Arrived after we stopped, or more than asked: hand it
+                    // straight back (not an attempt).
+                    let permit = match permits.pop() {
+                        Some(p) if !sh.shutdown.is_cancelled() => p,
+                        _ => {
+                            lifecycle::answer(
+                                &sh,
+                                &msg,
+                                lifecycle::Answer::Redeliver(Duration::ZERO),
+                            )
+                            .await;
+                            continue;
+                        }
                     };
                     let sh = sh.clone();
                     let label = label.clone();
                     tracker.spawn(async move {
-                        task::handle(sh, label, msg).await;
+                        lifecycle::handle(sh, label, msg).await;
                         drop(permit);
                     });
                 }
                 Err(e) => {
+                    // Expiry ends a batch without an error; this is the
+                    // broker failing (no quorum, stream leader gone).
+                    sh.metrics.ready.store(false, Ordering::Relaxed);
                     debug!(label, "pull batch ended: {e}");
                     break;
                 }
@@ -572,28 +684,40 @@ async fn pull_loop(
     }
 }
 
-/// Watch KV `cancel` and stop running tasks whose id is put there.
-async fn watch_cancels(sh: Arc<Shared>, stop: CancellationToken) {
+/// Keep a bucket's current keys through a watch that starts with its
+/// history; `current` fires once the history is read. `apply` gets each
+/// entry; the watch is re-opened (history again) after an error.
+async fn keep_watching(
+    bucket: &kv::Store,
+    what: &str,
+    stop: &CancellationToken,
+    current: &CancellationToken,
+    mut apply: impl FnMut(&kv::Entry),
+) {
     loop {
-        match sh.infra.cancel.watch_all().await {
-            Ok(mut w) => loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    e = w.next() => match e {
-                        Some(Ok(entry)) if entry.operation == async_nats::jetstream::kv::Operation::Put => {
-                            let reason = String::from_utf8_lossy(&entry.value).trim().to_string();
-                            let reason = if reason.is_empty() { "cancelled by operator".to_string() } else { reason };
-                            if sh.stop_task(&entry.key, StopKind::Cancelled, &reason) {
-                                info!(task_id = %entry.key, %reason, "cancelling running task");
+        let empty = bucket.status().await.is_ok_and(|s| s.values() == 0);
+        match bucket.watch_with_history(">").await {
+            Ok(mut w) => {
+                if empty {
+                    current.cancel();
+                }
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        e = w.next() => match e {
+                            Some(Ok(entry)) => {
+                                apply(&entry);
+                                if entry.delta == 0 {
+                                    current.cancel();
+                                }
                             }
+                            Some(Err(e)) => { debug!("{what} watch error: {e}"); break; }
+                            None => break,
                         }
-                        Some(Ok(_)) => {}
-                        Some(Err(e)) => { debug!("cancel watch error: {e}"); break; }
-                        None => break,
                     }
                 }
-            },
-            Err(e) => debug!("cannot watch the cancel bucket: {e}"),
+            }
+            Err(e) => debug!("cannot watch the {what} bucket: {e}"),
         }
         tokio::select! {
             _ = stop.cancelled() => return,
@@ -602,64 +726,68 @@ async fn watch_cancels(sh: Arc<Shared>, stop: CancellationToken) {
     }
 }
 
-/// When cut off from NATS for longer than ack wait, the broker hands our
-/// tasks to other workers: stop our copies (unless configured to keep them).
-async fn watch_lease(sh: Arc<Shared>, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(Duration::from_millis(250));
-    let mut fired = false;
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
+/// Keep the set of cancel keys, and stop running tasks whose id is put.
+async fn watch_cancels(sh: Arc<Shared>, stop: CancellationToken, current: CancellationToken) {
+    let max_age = sh
+        .infra
+        .cancel
+        .status()
+        .await
+        .map(|s| s.max_age())
+        .unwrap_or(Duration::ZERO);
+    keep_watching(&sh.infra.cancel, "cancel", &stop, &current, |entry| {
+        if entry.operation != kv::Operation::Put {
+            sh.cancels.lock().unwrap().remove(&entry.key);
+            return;
         }
-        match sh.conn.cut_off_for() {
-            Some(d) if d > sh.ack_wait => {
-                if !fired && sh.cfg.on_lease_lost == LeaseLost::Kill {
-                    let n = sh.stop_all(
-                        StopKind::LeaseLost,
-                        &format!(
-                            "lease lost: cut off from NATS for more than ack wait ({})",
-                            humantime::format_duration(sh.ack_wait)
-                        ),
-                    );
-                    if n > 0 {
-                        warn!(tasks = n, "lease lost: stopping running tasks (they will be redelivered elsewhere)");
-                    }
-                }
-                fired = true;
-            }
-            Some(_) => {}
-            None => fired = false,
+        // An expired key whose removal the watch did not see (no limit
+        // markers on this bucket) must not cancel a later task.
+        let age = time::OffsetDateTime::now_utc() - entry.created;
+        if !max_age.is_zero() && age > max_age {
+            return;
         }
-    }
+        let reason = String::from_utf8_lossy(&entry.value).trim().to_string();
+        sh.cancels
+            .lock()
+            .unwrap()
+            .insert(entry.key.clone(), reason.clone());
+        let reason = if reason.is_empty() {
+            "cancelled by operator".to_string()
+        } else {
+            reason
+        };
+        if sh.running.stop(&entry.key, StopKind::Cancelled, &reason) {
+            info!(task_id = %entry.key, %reason, "cancelling running task");
+        }
+    })
+    .await
 }
 
-/// Publish entries an earlier life of this worker left in the outbox.
-async fn flush_outbox(sh: Arc<Shared>, stop: CancellationToken) {
+/// Keep the heartbeats of the online workers (who serves which types, and
+/// whose claims are abandoned).
+async fn watch_workers(sh: Arc<Shared>, stop: CancellationToken, current: CancellationToken) {
+    keep_watching(&sh.infra.workers, "workers", &stop, &current, |entry| {
+        let mut m = sh.workers.lock().unwrap();
+        if entry.operation != kv::Operation::Put {
+            m.remove(&entry.key);
+        } else if let Ok(h) = serde_json::from_slice::<Heartbeat>(&entry.value) {
+            m.insert(entry.key.clone(), h);
+        }
+    })
+    .await
+}
+
+/// Deliver what an earlier life of this worker left in the outbox, through
+/// the same loop as a live result: a stale entry is refused by the
+/// compare-and-set and dropped.
+async fn replay_outbox(sh: Arc<Shared>) {
     let pending = sh.outbox.pending();
     if pending.is_empty() {
         return;
     }
-    info!(
-        entries = pending.len(),
-        "publishing results left in the outbox"
-    );
+    info!(entries = pending.len(), "delivering the outbox");
     for (path, entry) in pending {
-        let mut delay = Duration::from_millis(200);
-        loop {
-            match entry.publish(&sh.js).await {
-                Ok(()) => {
-                    sh.outbox.remove(&path);
-                    break;
-                }
-                Err(e) => debug!(subject = %entry.subject, "outbox publish failed: {e:#}"),
-            }
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(delay) => {}
-            }
-            delay = (delay * 2).min(Duration::from_secs(5));
-        }
+        outbox::deliver(&sh, &entry, Some(path)).await;
     }
     sh.metrics.outbox.set(sh.outbox.len() as i64);
 }

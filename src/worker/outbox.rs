@@ -1,19 +1,34 @@
-//! The on-disk outbox (DESIGN.md section 5, "ack after report"): a message
-//! that must be stored (a result, a dead letter) and could not be published
-//! is written to `state_dir/outbox/` first, then published with retries.
-//! The task is acked only after the publish succeeded; a worker that stops
-//! meanwhile leaves the file, and the next worker on the same state
-//! directory publishes it at start-up. `Nats-Msg-Id` makes a re-publish of
-//! the same entry a no-op on the server.
+//! Durable publishing (DESIGN.md section 5, "ack after report"): the one
+//! delivery loop for everything the worker must store — attempt results on
+//! `results.<id>` and copies in DEAD — and the on-disk outbox behind it.
+//!
+//! [`deliver`] publishes an [`Entry`] and classifies what the broker said:
+//! - stored: done;
+//! - refused by the compare-and-set on `results.<id>`: the subject moved on.
+//!   If the last record there is this very write (a retry after a lost
+//!   PubAck) it counts as stored; otherwise the write is stale and dropped,
+//!   never retried blindly (invariant I2);
+//! - permanent (too large for `max_payload`, permission denied): dropped
+//!   with an error, so nothing wedges a slot or comes back at every start;
+//! - stream missing: the stream is recreated once, then retried;
+//! - transient (timeout, disconnected, no responders): written to
+//!   `state_dir/outbox/` and retried with backoff until it is stored or the
+//!   worker gives up at shutdown; the next start on the same state
+//!   directory delivers it through the same loop ([`super::run`]).
+//!
+//! So the outbox only ever holds what a reconnect can deliver.
 //!
 //! File format: one JSON line of metadata, then the raw payload bytes.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, message::PublishMessage};
+use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
+use tracing::{debug, info, warn};
+
+use super::Shared;
 
 /// One message to publish durably.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -22,6 +37,11 @@ pub struct Entry {
     /// `Nats-Msg-Id`, also the file name.
     pub msg_id: String,
     pub headers: Vec<(String, String)>,
+    /// Compare-and-set: the stream sequence the subject's last message must
+    /// have (`Nats-Expected-Last-Subject-Sequence`; 0 = no message yet).
+    /// `None` for subjects without a state machine (DEAD).
+    #[serde(default)]
+    pub expected_last_seq: Option<u64>,
     #[serde(skip)]
     pub payload: Bytes,
 }
@@ -29,25 +49,215 @@ pub struct Entry {
 /// How long one publish may take before it counts as failed.
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Why a publish did not store the message.
+#[derive(Debug)]
+pub(crate) enum PublishFailure {
+    /// The compare-and-set refused it: the subject's last message is
+    /// another one.
+    Refused,
+    /// No stream takes the subject (deleted under the worker).
+    NoStream,
+    /// Can never succeed as it is.
+    Permanent(String),
+    /// A reconnect or a moment may help.
+    Transient(String),
+}
+
 impl Entry {
-    /// Publish and wait for the PubAck.
-    pub async fn publish(&self, js: &jetstream::Context) -> anyhow::Result<()> {
+    /// Bytes this entry takes on the wire, roughly (payload, headers,
+    /// subject): compared with the server's `max_payload`.
+    pub(crate) fn wire_size(&self) -> usize {
+        let headers: usize = self
+            .headers
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 4)
+            .sum();
+        self.payload.len() + headers + self.msg_id.len() + self.subject.len() + 128
+    }
+
+    /// Publish once and wait for the PubAck: the stored stream sequence.
+    pub(crate) async fn publish(
+        &self,
+        js: &jetstream::Context,
+        max_payload: usize,
+    ) -> Result<u64, PublishFailure> {
+        if self.wire_size() > max_payload {
+            return Err(PublishFailure::Permanent(format!(
+                "{} bytes do not fit the server's max_payload ({max_payload})",
+                self.wire_size()
+            )));
+        }
         let mut m = PublishMessage::build()
             .payload(self.payload.clone())
             .message_id(&self.msg_id);
+        if let Some(seq) = self.expected_last_seq {
+            m = m.expected_last_subject_sequence(seq);
+        }
         for (k, v) in &self.headers {
             m = m.header(k.as_str(), v.as_str());
         }
         let fut = async {
             let ack = js.send_publish(self.subject.clone(), m).await?;
-            ack.await?;
-            anyhow::Ok(())
+            ack.await
         };
-        match tokio::time::timeout(PUBLISH_TIMEOUT, fut).await {
-            Ok(r) => r,
-            Err(_) => anyhow::bail!("no PubAck within {PUBLISH_TIMEOUT:?}"),
+        let failure = match tokio::time::timeout(PUBLISH_TIMEOUT, fut).await {
+            Ok(Ok(ack)) => return Ok(ack.sequence),
+            Ok(Err(e)) => e,
+            Err(_) => {
+                return Err(PublishFailure::Transient(format!(
+                    "no PubAck within {PUBLISH_TIMEOUT:?}"
+                )))
+            }
+        };
+        Err(match failure.kind() {
+            PublishErrorKind::WrongLastSequence => PublishFailure::Refused,
+            PublishErrorKind::StreamNotFound => PublishFailure::NoStream,
+            PublishErrorKind::MaxPayloadExceeded => PublishFailure::Permanent(failure.to_string()),
+            _ => {
+                let text = failure.to_string();
+                if text.contains("Permissions Violation") || text.contains("permission") {
+                    PublishFailure::Permanent(text)
+                } else {
+                    PublishFailure::Transient(text)
+                }
+            }
+        })
+    }
+}
+
+/// What became of an entry handed to [`deliver`].
+#[derive(Debug)]
+pub(crate) enum Delivered {
+    /// Stored (now, or by an earlier try whose PubAck was lost).
+    Stored,
+    /// Refused by the compare-and-set and not ours: a newer state exists
+    /// (this is it, when it could be read).
+    Superseded(Option<Box<super::records::Last>>),
+    /// Can never be stored; dropped (the reason was logged).
+    Dropped(String),
+    /// Still not stored when the worker gave up; the file stays for the
+    /// next start.
+    Kept,
+}
+
+/// The one delivery loop: publish `entry` until it is stored, superseded
+/// or dropped, keeping it on disk while the broker is unreachable. `file`
+/// is the entry's outbox file when it comes from disk.
+pub(crate) async fn deliver(sh: &Shared, entry: &Entry, mut file: Option<PathBuf>) -> Delivered {
+    let mut delay = Duration::from_millis(200);
+    let mut recreated = false;
+    let mut warned = false;
+    loop {
+        let failure = match entry.publish(&sh.js, sh.max_payload).await {
+            Ok(_) => {
+                if warned {
+                    info!(subject = %entry.subject, "published from the outbox");
+                }
+                return finish(sh, file, Delivered::Stored);
+            }
+            Err(f) => f,
+        };
+        match failure {
+            PublishFailure::Refused => {
+                let outcome = match super::records::read_last_raw(sh, &entry.subject).await {
+                    Ok(Some(last)) if last.msg_id.as_deref() == Some(entry.msg_id.as_str()) => {
+                        Delivered::Stored
+                    }
+                    Ok(last) => {
+                        info!(subject = %entry.subject, msg_id = %entry.msg_id,
+                            "a newer state is stored; dropping this stale write");
+                        Delivered::Superseded(last.map(Box::new))
+                    }
+                    // Cannot tell yet whether it was ours: try again later.
+                    Err(e) => {
+                        debug!(subject = %entry.subject, "cannot read the last record: {e:#}");
+                        file = keep(sh, entry, file, &mut warned, &e.to_string());
+                        if !backoff(sh, &mut delay).await {
+                            return Delivered::Kept;
+                        }
+                        continue;
+                    }
+                };
+                return finish(sh, file, outcome);
+            }
+            PublishFailure::Permanent(why) => {
+                warn!(subject = %entry.subject, msg_id = %entry.msg_id,
+                    "cannot be stored, ever ({why}); dropping it");
+                return finish(sh, file, Delivered::Dropped(why));
+            }
+            PublishFailure::NoStream if !recreated && sh.conn.is_connected() => {
+                recreated = true;
+                warn!(subject = %entry.subject, "no stream takes the subject; recreating the streams");
+                if let Err(e) = sh.recreate_streams().await {
+                    warn!("cannot recreate the streams: {e:#}");
+                }
+                continue;
+            }
+            PublishFailure::NoStream => {
+                file = keep(sh, entry, file, &mut warned, "no stream for the subject");
+            }
+            PublishFailure::Transient(why) => {
+                file = keep(sh, entry, file, &mut warned, &why);
+            }
+        }
+        if !backoff(sh, &mut delay).await {
+            warn!(subject = %entry.subject, "giving up for now; the outbox keeps it for the next start");
+            return Delivered::Kept;
         }
     }
+}
+
+/// Make sure a failing entry is on disk (once), logging the first failure.
+fn keep(
+    sh: &Shared,
+    entry: &Entry,
+    file: Option<PathBuf>,
+    warned: &mut bool,
+    why: &str,
+) -> Option<PathBuf> {
+    if !*warned {
+        warn!(subject = %entry.subject, "publish failed ({why}); keeping it in the outbox");
+        *warned = true;
+    }
+    if file.is_some() {
+        return file;
+    }
+    match sh.outbox.store(entry) {
+        Ok(p) => {
+            sh.metrics.outbox.set(sh.outbox.len() as i64);
+            Some(p)
+        }
+        Err(err) => {
+            warn!("cannot write the outbox ({err}); retrying from memory");
+            None
+        }
+    }
+}
+
+/// Wait before the next try; false once the worker gives up.
+async fn backoff(sh: &Shared, delay: &mut Duration) -> bool {
+    tokio::select! {
+        _ = sh.abandon.cancelled() => return false,
+        _ = tokio::time::sleep(*delay) => {}
+    }
+    *delay = (*delay * 2).min(Duration::from_secs(5));
+    // While disconnected, wait for the connection rather than spin.
+    while !sh.conn.is_connected() {
+        tokio::select! {
+            _ = sh.abandon.cancelled() => return false,
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+    true
+}
+
+/// Remove the entry's file once it is settled.
+fn finish(sh: &Shared, file: Option<PathBuf>, d: Delivered) -> Delivered {
+    if let Some(p) = file {
+        sh.outbox.remove(&p);
+        sh.metrics.outbox.set(sh.outbox.len() as i64);
+    }
+    d
 }
 
 /// The outbox directory.
@@ -110,7 +320,7 @@ impl Outbox {
                 continue;
             };
             let Some(nl) = bytes.iter().position(|&b| b == b'\n') else {
-                tracing::warn!(file = %p.display(), "outbox file without metadata line; leaving it");
+                warn!(file = %p.display(), "outbox file without metadata line; leaving it");
                 continue;
             };
             match serde_json::from_slice::<Entry>(&bytes[..nl]) {
@@ -120,7 +330,7 @@ impl Outbox {
                     v.push((mtime, p, e));
                 }
                 Err(err) => {
-                    tracing::warn!(file = %p.display(), %err, "unreadable outbox file; leaving it")
+                    warn!(file = %p.display(), %err, "unreadable outbox file; leaving it")
                 }
             }
         }
@@ -156,6 +366,7 @@ mod tests {
             subject: "results.a".into(),
             msg_id: "a.1".into(),
             headers: vec![("Jetworker-Status".into(), "success".into())],
+            expected_last_seq: Some(7),
             payload: Bytes::from_static(b"{\"x\":1}\n\xff binary"),
         };
         let p = o.store(&e).unwrap();

@@ -28,6 +28,8 @@ pub struct NatsServer {
     pub port: u16,
     store: tempfile::TempDir,
     extra: Vec<String>,
+    /// Whether the config enables JetStream (see `set_jetstream`).
+    jetstream: bool,
 }
 
 impl NatsServer {
@@ -43,6 +45,7 @@ impl NatsServer {
             port: 0,
             store,
             extra: config_lines.iter().map(|s| s.to_string()).collect(),
+            jetstream: true,
         };
         s.spawn();
         s
@@ -62,10 +65,15 @@ impl NatsServer {
             self.port.to_string()
         };
         let mut text = format!(
-            "listen: 127.0.0.1:{port}\nports_file_dir: \"{}\"\njetstream {{ store_dir: \"{}\" }}\n",
-            ports_dir.display(),
-            self.store.path().join("js").display()
+            "listen: 127.0.0.1:{port}\nports_file_dir: \"{}\"\n",
+            ports_dir.display()
         );
+        if self.jetstream {
+            text.push_str(&format!(
+                "jetstream {{ store_dir: \"{}\" }}\n",
+                self.store.path().join("js").display()
+            ));
+        }
         for l in &self.extra {
             text.push_str(l);
             text.push('\n');
@@ -113,6 +121,24 @@ impl NatsServer {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// A server without JetStream (a broker not ready for workers yet).
+    pub fn start_without_jetstream() -> Self {
+        let mut s = NatsServer {
+            child: None,
+            port: 0,
+            store: tempfile::tempdir().unwrap(),
+            extra: Vec::new(),
+            jetstream: false,
+        };
+        s.spawn();
+        s
+    }
+
+    /// Turn JetStream on or off for the next (re)start.
+    pub fn set_jetstream(&mut self, on: bool) {
+        self.jetstream = on;
     }
 
     pub fn url(&self) -> String {
@@ -215,6 +241,17 @@ impl Drop for InProcWorker {
     }
 }
 
+/// Environment and logging for [`ProcWorker::start_opts`].
+#[derive(Debug, Default, Clone)]
+pub struct ProcOpts {
+    /// Extra environment variables (e.g. `JETWORKER_TEST_FAULT`).
+    pub env: Vec<(String, String)>,
+    /// Append stdout and stderr to this file instead of inheriting them.
+    pub log: Option<PathBuf>,
+    /// `LOG_LEVEL` (default: `TEST_LOG_LEVEL`, else `error`).
+    pub log_level: Option<&'static str>,
+}
+
 /// A worker running as the built binary; SIGKILLed on drop.
 pub struct ProcWorker {
     pub child: Child,
@@ -238,8 +275,13 @@ impl ProcWorker {
 
     /// Start on a given state directory (to restart a worker on its state).
     pub fn start_in(url: &str, state: &Path, extra: &[&str]) -> Self {
-        let child = Command::new(jetworker_bin())
-            .args(["run", "--server", url, "--state-dir"])
+        Self::start_opts(url, state, extra, &ProcOpts::default())
+    }
+
+    /// Start on a given state directory with extra environment and logging.
+    pub fn start_opts(url: &str, state: &Path, extra: &[&str], opts: &ProcOpts) -> Self {
+        let mut cmd = Command::new(jetworker_bin());
+        cmd.args(["run", "--server", url, "--state-dir"])
             .arg(state)
             .args([
                 "--heartbeat",
@@ -257,13 +299,24 @@ impl ProcWorker {
             .args(extra)
             .env(
                 "LOG_LEVEL",
-                std::env::var("TEST_LOG_LEVEL").unwrap_or_else(|_| "error".into()),
+                opts.log_level.map(str::to_string).unwrap_or_else(|| {
+                    std::env::var("TEST_LOG_LEVEL").unwrap_or_else(|_| "error".into())
+                }),
             )
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap();
+            // Neither the tester's nats context nor their config file.
+            .env("XDG_CONFIG_HOME", "/nonexistent-jetworker-test")
+            .envs(opts.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null());
+        if let Some(log) = &opts.log {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(log)
+                .unwrap();
+            cmd.stdout(f.try_clone().unwrap()).stderr(f);
+        }
         ProcWorker {
-            child,
+            child: cmd.spawn().unwrap(),
             state: state.to_path_buf(),
             _state_dir: None,
         }
@@ -353,8 +406,18 @@ pub async fn last_result(js: &jetstream::Context, id: &str) -> Option<TaskResult
     Some(serde_json::from_slice(&msg.payload).expect("result is valid JSON"))
 }
 
-/// Every result stored for `id`, oldest first.
+/// Every result of an attempt stored for `id`, oldest first (without the
+/// `running`/`queued` state records).
 pub async fn all_results(js: &jetstream::Context, id: &str) -> Vec<TaskResult> {
+    all_records(js, id)
+        .await
+        .into_iter()
+        .filter(|r| !r.is_state())
+        .collect()
+}
+
+/// Every record stored for `id` (states included), oldest first.
+pub async fn all_records(js: &jetstream::Context, id: &str) -> Vec<TaskResult> {
     let Ok(stream) = js.get_stream("RESULTS").await else {
         return vec![];
     };
@@ -411,6 +474,17 @@ pub async fn queue_drained(js: &jetstream::Context, timeout: Duration, what: &st
         (tasks_left(js).await == 0).then_some(())
     })
     .await
+}
+
+/// Entries waiting in the outbox of a worker's state directory.
+pub fn outbox_len(state: &Path) -> usize {
+    std::fs::read_dir(state.join("outbox"))
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.path().extension().is_some_and(|x| x == "msg"))
+                .count()
+        })
+        .unwrap_or(0)
 }
 
 /// Whether a process with this pid exists (and is not a zombie).
