@@ -207,6 +207,7 @@ fn random_suffix() -> String {
 /// restart. Transient broker trouble at start (JetStream not ready, API
 /// timeouts, no responders) is retried here with backoff, not returned.
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    crate::process::protect_secrets();
     let id = format!("{}-{}", cfg.name, random_suffix());
     let hostname = hostname::get()
         .ok()

@@ -6,6 +6,7 @@ mod cli;
 mod cli_worker;
 mod compose;
 mod container;
+mod containment;
 mod core;
 mod faults;
 mod history;
