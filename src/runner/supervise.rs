@@ -109,8 +109,15 @@ pub(crate) async fn supervise<S: Supervised, O: OutputSource>(
             }
             _ = ctx.stop.fired(), if running && !s.stopped && !s.timed_out => {
                 s.stopped = true;
-                target.term(ctx.kill_grace);
-                kill_at = Some(Instant::now() + ctx.kill_grace);
+                // A lost lease means another copy may start soon: no grace.
+                let grace = match ctx.stop.reason() {
+                    Some((crate::runner::StopKind::LeaseLost, _)) => Duration::ZERO,
+                    _ => ctx.kill_grace,
+                };
+                if !grace.is_zero() {
+                    target.term(grace);
+                }
+                kill_at = Some(Instant::now() + grace);
             }
             _ = sleep_until(kill_at.unwrap_or(far)), if running && kill_at.is_some() && !killed => {
                 killed = true;

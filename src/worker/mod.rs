@@ -83,6 +83,9 @@ pub struct Shared {
     pub id: String,
     pub hostname: String,
     pub client: async_nats::Client,
+    /// A second connection for live output (`logs.<id>`), so a chatty task
+    /// can never delay progress acks and results on `client`.
+    pub live_client: async_nats::Client,
     pub js: jetstream::Context,
     pub names: Names,
     pub infra: Infra,
@@ -309,6 +312,13 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         }
     }
 
+    let live_client = crate::connect::connect_worker(
+        &cfg.connect,
+        &format!("{id}-live"),
+        cfg.ack_wait,
+        Arc::new(|_| {}),
+    )
+    .await?;
     let max_payload = client.server_info().max_payload;
     let output_cap = cfg
         .output_cap
@@ -329,6 +339,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         id: id.clone(),
         hostname,
         client: client.clone(),
+        live_client,
         js,
         names,
         infra,
@@ -481,6 +492,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         warn!("could not delete the heartbeat key ({e}); it expires after offline_after");
     }
     let _ = tokio::time::timeout(wait, client.flush()).await;
+    let _ = tokio::time::timeout(wait, sh.live_client.flush()).await;
     sh.watchdog.lock().unwrap().take();
     sh.runners.process.cleanup();
     info!(worker_id = %sh.id, "worker stopped");
