@@ -61,13 +61,17 @@ pub(crate) async fn read_last(sh: &Shared, id: &str) -> anyhow::Result<Option<La
 }
 
 /// The message id of a record: `<id>.<attempt>` for the result of an
-/// attempt (as in version 1), `<id>.<attempt>.<status>` for states and for
-/// results written without a run (cancelled before start, dead, rejected).
-fn msg_id(r: &TaskResult, ran: bool) -> String {
+/// attempt that ran (as in version 1; each attempt ends once), and
+/// `<id>.<attempt>.<status>.<expected>` for states and for records written
+/// without a run (cancelled before start, dead, rejected). A state can
+/// repeat — `running{2}` again after a shutdown's `queued{1}` — so its id
+/// names the record it follows: unique per place in the chain, and the
+/// same for a retry of the same write, which then recognises itself.
+fn msg_id(r: &TaskResult, ran: bool, expected: u64) -> String {
     if ran && !r.is_state() {
         format!("{}.{}", r.id, r.attempt)
     } else {
-        format!("{}.{}.{}", r.id, r.attempt, r.status)
+        format!("{}.{}.{}.{expected}", r.id, r.attempt, r.status)
     }
 }
 
@@ -76,7 +80,7 @@ fn msg_id(r: &TaskResult, ran: bool) -> String {
 pub(crate) fn entry(sh: &Shared, r: &mut TaskResult, expected: u64, ran: bool) -> Entry {
     Entry {
         subject: sh.names.result_subject(&r.id),
-        msg_id: msg_id(r, ran),
+        msg_id: msg_id(r, ran, expected),
         headers: vec![
             (HEADER_STATUS.to_string(), r.status.as_str().to_string()),
             (HEADER_LABEL.to_string(), r.label.clone()),
