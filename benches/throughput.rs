@@ -241,14 +241,20 @@ async fn wait_empty(js: &jetstream::Context, stream: &str) {
     }
 }
 
-/// The reference: pull → publish a result (await the PubAck) → ack, with
-/// at most one message per free slot, until `stop`.
+/// The reference: pull → read the task's id → publish a result of the same
+/// shape and size as jetworker's (await the PubAck) → ack, with at most one
+/// message per free slot, until `stop`.
 async fn raw_loop(
     js: jetstream::Context,
     consumer: jetstream::consumer::PullConsumer,
-    result_body: bytes::Bytes,
+    sample: TaskResult,
     stop: CancellationToken,
 ) {
+    #[derive(serde::Deserialize)]
+    struct Id {
+        id: String,
+    }
+    let sample = Arc::new(sample);
     let sem = Arc::new(Semaphore::new(SLOTS));
     while !stop.is_cancelled() {
         let first = sem.clone().acquire_owned().await.unwrap();
@@ -425,15 +431,10 @@ async fn main() {
         r.output_bytes = 2;
         r.idempotency_key = Some(r.id.clone());
         r.task_seq = Some(1);
-        bytes::Bytes::from(serde_json::to_vec(&r).unwrap())
+        r
     };
     let stop_raw = CancellationToken::new();
-    let raw_task = tokio::spawn(raw_loop(
-        js.clone(),
-        consumer,
-        sample.clone(),
-        stop_raw.clone(),
-    ));
+    let raw_task = tokio::spawn(raw_loop(js.clone(), consumer, sample, stop_raw.clone()));
     let mut results = Results::subscribe(&client, &raw).await;
     let raw_rate = throughput(&js, &raw, &mut results, &url, &format!("r{run}-"), n).await;
     wait_empty(&js, "RAW").await;

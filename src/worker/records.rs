@@ -62,16 +62,20 @@ pub(crate) async fn read_last(sh: &Shared, id: &str) -> anyhow::Result<Option<La
 
 /// The message id of a record: `<id>.<attempt>` for the result of an
 /// attempt that ran (as in version 1; each attempt ends once), and
-/// `<id>.<attempt>.<status>.<expected>` for states and for records written
-/// without a run (cancelled before start, dead, rejected). A state can
-/// repeat — `running{2}` again after a shutdown's `queued{1}` — so its id
-/// names the record it follows: unique per place in the chain, and the
-/// same for a retry of the same write, which then recognises itself.
+/// `<id>.<attempt>.<status>.<expected>.<worker id>` for states and for
+/// records written without a run (cancelled before start, dead, rejected).
+/// Two workers may race for the same place in the chain, and a state can
+/// repeat — `running{2}` again after a shutdown's `queued{1}` — so the id
+/// names the writer and the record it follows: a retry of the same write
+/// recognises itself by it, and nobody else's write ever looks like its own.
 fn msg_id(r: &TaskResult, ran: bool, expected: u64) -> String {
     if ran && !r.is_state() {
         format!("{}.{}", r.id, r.attempt)
     } else {
-        format!("{}.{}.{}.{expected}", r.id, r.attempt, r.status)
+        format!(
+            "{}.{}.{}.{expected}.{}",
+            r.id, r.attempt, r.status, r.worker_id
+        )
     }
 }
 

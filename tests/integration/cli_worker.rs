@@ -183,7 +183,9 @@ async fn logs_follow_streams_output_before_the_task_ends() {
     assert_exit(&o, 0);
     f.expect(&["first line"], T).await;
     assert!(
-        last_result(&js, "chatty").await.is_none(),
+        last_result(&js, "chatty")
+            .await
+            .is_none_or(|r| r.status == Status::Running),
         "the first line must arrive while the task still runs"
     );
     f.expect(&["last line"], T).await;
@@ -223,7 +225,7 @@ async fn dead_letter_listed_and_replayed_under_a_new_id() {
         stdout(&o).contains("orphan").then_some(o)
     })
     .await;
-    assert!(stdout(&o).contains("took type shell"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("runs type shell"), "{}", stdout(&o));
     let o = jw(&url, &["dead", "--json"]).await;
     let d: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(d["id"], "orphan");
