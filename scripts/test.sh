@@ -17,6 +17,7 @@ echo "using nats-server: $NATS_SERVER_BIN ($("$NATS_SERVER_BIN" --version))"
 # The container tests build their image from busybox-static (no registry).
 if ! command -v busybox >/dev/null 2>&1 && [ ! -x /bin/busybox ]; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "test.sh: installing busybox-static with apt-get (for the offline container test image)" >&2
         apt-get update -qq >/dev/null
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static >/dev/null
     else

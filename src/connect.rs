@@ -60,14 +60,32 @@ pub async fn options(cfg: &ConnectConfig, name: &str) -> anyhow::Result<ConnectO
             .add_client_certificate(c.clone(), k.clone())
             .require_tls(true);
     }
-    Ok(o)
+    if cfg.tls_first {
+        o = o.tls_first().require_tls(true);
+    }
+    if let Some(p) = &cfg.inbox_prefix {
+        o = o.custom_inbox_prefix(p);
+    }
+    Ok(o.connection_timeout(cfg.api_timeout))
+}
+
+/// The JetStream context for `client`: the configured domain (`--js-domain`:
+/// `$JS.<domain>.API`) and the API timeout. The worker and every operator
+/// command use this one, so both reach the same streams.
+pub fn jetstream(client: Client, cfg: &ConnectConfig) -> async_nats::jetstream::Context {
+    use async_nats::jetstream::ContextBuilder;
+    match &cfg.js_domain {
+        Some(d) => ContextBuilder::new()
+            .timeout(cfg.api_timeout)
+            .domain(d.clone())
+            .build(client),
+        None => ContextBuilder::new().timeout(cfg.api_timeout).build(client),
+    }
 }
 
 /// Connect once (operator commands): fail fast with a clear message.
 pub async fn connect_cli(cfg: &ConnectConfig) -> anyhow::Result<Client> {
-    let o = options(cfg, "jetworker-cli")
-        .await?
-        .connection_timeout(Duration::from_secs(5));
+    let o = options(cfg, "jetworker-cli").await?;
     let client = o
         .connect(cfg.servers.clone())
         .await

@@ -7,8 +7,10 @@
 //!
 //! - [`protocol`]: names, the task message and its validation, results,
 //!   heartbeats.
-//! - [`config`]: file + environment + flags → validated settings.
-//! - [`cli`]: clap definitions; [`commands`]: one module per subcommand.
+//! - [`config`]: every setting defined once; flags + environment + file +
+//!   `nats` context → validated settings (no clap here).
+//! - [`commands`]: the binary — clap definitions (`commands::cli`) and one
+//!   module per subcommand; [`suggest`]: "did you mean" for misspelt names.
 //! - [`connect`]: NATS connection, auth, TLS, server version check.
 //! - [`setup`]: streams, consumers and KV buckets, created idempotently.
 //! - [`worker`]: the daemon — pulling, per-task handling, acks, heartbeats,
@@ -18,7 +20,6 @@
 //! - [`metrics`]: Prometheus `/metrics`, `/healthz`, `/readyz`.
 
 pub mod cgroup;
-pub mod cli;
 pub mod commands;
 pub mod config;
 pub mod connect;
@@ -28,6 +29,7 @@ pub mod process;
 pub mod protocol;
 pub mod runner;
 pub mod setup;
+pub mod suggest;
 pub mod worker;
 
 /// The version reported in heartbeats and `--version`.

@@ -407,9 +407,11 @@ pub enum PullPolicy {
     Always,
 }
 
-/// Why a task was refused: the field (a JSON path) and the problem.
+/// Why a task was refused: the field (a JSON path) and the problem. The
+/// whole message (`(message)`) is not named in the text: its problem says
+/// what it is about.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {problem}")]
+#[error("{}", if field == "(message)" { problem.clone() } else { format!("{field}: {problem}") })]
 pub struct Invalid {
     pub field: String,
     pub problem: String,
@@ -615,10 +617,27 @@ pub fn parse_task(
             ),
         ));
     }
-    let text = std::str::from_utf8(bytes)
-        .map_err(|e| Invalid::new("(message)", format!("task is not valid UTF-8 JSON: {e}")))?;
-    let value: serde_json::Value = serde_json::from_str(text)
-        .map_err(|e| Invalid::new("(message)", format!("task is not valid JSON: {e}")))?;
+    let msg = parse_message(bytes)?;
+    validate(msg, env, limits)
+}
+
+/// Parse task JSON into the wire form, unvalidated (the worker validates
+/// next; `submit --file` merges flags first). The error names the field,
+/// with a "did you mean" for an unknown one.
+pub fn parse_message(bytes: &[u8]) -> Result<TaskMessage, Invalid> {
+    const LIKE: &str = r#"a task is a JSON object like {"type":"shell","payload":"echo hi"}"#;
+    let text = std::str::from_utf8(bytes).map_err(|e| {
+        Invalid::new(
+            "(message)",
+            format!("the task is not valid UTF-8 JSON ({e}); {LIKE}"),
+        )
+    })?;
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+        Invalid::new(
+            "(message)",
+            format!("the task is not valid JSON ({e}); {LIKE}"),
+        )
+    })?;
     if !value.is_object() {
         return Err(Invalid::new(
             "(message)",
@@ -634,9 +653,27 @@ pub fn parse_task(
         } else {
             path
         };
-        Invalid::new(field, inner)
+        Invalid::new(field, unknown_field_hint(&inner).unwrap_or(inner))
     })?;
-    validate(msg, env, limits)
+    Ok(msg)
+}
+
+/// serde's "unknown field `x`, expected one of `a`, `b`, …" (every field
+/// of the object, 26 for a task) as "unknown field `x` (did you mean
+/// `y`?)", pointing to `jetworker schema` for the list.
+fn unknown_field_hint(msg: &str) -> Option<String> {
+    let name = unknown_field_name(msg)?;
+    let expected = msg.split_once("expected ").map(|(_, e)| e).unwrap_or("");
+    let candidates: Vec<&str> = expected
+        .split('`')
+        .enumerate()
+        .filter(|(i, _)| i % 2 == 1)
+        .map(|(_, c)| c)
+        .collect();
+    Some(format!(
+        "unknown field `{name}`{}; `jetworker schema` lists the fields",
+        crate::suggest::hint(&name, candidates)
+    ))
 }
 
 fn unknown_field_name(msg: &str) -> Option<String> {
@@ -1420,6 +1457,18 @@ mod tests {
     fn unknown_field_is_named() {
         let e = parse(r#"{"type":"shell","payload":"x","timout":"5s"}"#).unwrap_err();
         assert_eq!(e.field, "timout");
+        // One suggestion, not the list of every field.
+        assert_eq!(
+            e.to_string(),
+            "timout: unknown field `timout` (did you mean `timeout`?); `jetworker schema` lists the fields"
+        );
+        let e = parse(r#"{"type":"shell","payload":"x","retry":{"max_atempts":2}}"#).unwrap_err();
+        assert!(e.problem.contains("did you mean `max_attempts`"), "{e}");
+        let e = parse("echo hi").unwrap_err();
+        assert!(
+            e.to_string().starts_with("the task is not valid JSON"),
+            "{e}"
+        );
     }
 
     #[test]

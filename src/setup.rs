@@ -42,7 +42,7 @@ impl Default for SetupOptions {
             storage: StorageType::File,
             results_max_age: Duration::from_secs(7 * 24 * 3600),
             dead_max_age: Duration::ZERO,
-            offline_after: Duration::from_secs(30),
+            offline_after: crate::config::DEFAULT_OFFLINE_AFTER,
             cancel_max_age: Duration::from_secs(24 * 3600),
             update_existing: false,
         }

@@ -1,23 +1,36 @@
 //! `jetworker cancel <id>`: put key `<id>` in KV `cancel` (the value is
 //! the reason), then wait briefly for the task's final result and say what
-//! happened: a running attempt stopped, a queued task will not start, or
-//! the task had already finished.
+//! happened, from that result: a running attempt stopped (after how long,
+//! on which worker), a queued task was cancelled before it ran, or the task
+//! had already finished. An id that is nowhere — no result, not running,
+//! not in the queue — is refused (a stored key would silently cancel a
+//! later task submitted with that id for the key's lifetime) unless
+//! `--force`.
 //!
 //! Exit 0 when the cancellation took effect or is in place for a task that
 //! has not started; 1 when the task had already finished (nothing to
-//! cancel) or a running attempt ended with another status; 2 on errors.
+//! cancel), a running attempt ended with another status, or the id is
+//! unknown; 2 on errors.
+//!
+//! `--json`: one line `{"id","outcome","status","worker","ran_ms","message"}`
+//! with `outcome` one of `cancelled`, `finished`, `requested`, `unknown`.
 
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::Args;
+use serde::Serialize;
 
 use super::common::Conn;
 use super::output;
 use super::Exit;
-use crate::protocol::{parse_duration, valid_id, Status};
+use crate::protocol::{header, parse_duration, valid_id, Status, TaskResult};
 
 #[derive(Debug, Clone, Args)]
+#[command(after_help = "\
+Examples:
+  jetworker cancel 3f9a2c --reason 'not needed'
+  jetworker cancel nightly-2026 --force     # not submitted yet: cancel it in advance")]
 pub struct CancelArgs {
     /// Task id.
     pub id: String,
@@ -28,6 +41,25 @@ pub struct CancelArgs {
     /// worker's kill grace).
     #[arg(long, default_value = "15s", value_name = "DURATION")]
     pub wait: String,
+    /// Store the cancellation even for an id that is nowhere yet.
+    #[arg(long)]
+    pub force: bool,
+    /// Print one JSON line instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What `--json` prints.
+#[derive(Debug, Serialize)]
+struct Outcome {
+    id: String,
+    /// `cancelled`, `finished`, `requested` or `unknown`.
+    outcome: &'static str,
+    status: Option<Status>,
+    worker: Option<String>,
+    /// How long the cancelled attempt ran (absent: it never started).
+    ran_ms: Option<u64>,
+    message: String,
 }
 
 /// The worker running `id`, from the heartbeats (`tasks` lists them).
@@ -43,38 +75,136 @@ async fn running_on(conn: &Conn, id: &str) -> Option<String> {
         .map(|hb| hb.id)
 }
 
+/// How many queued messages `queued` looks at before it gives up and
+/// assumes the id may be among the rest.
+const QUEUE_SCAN_LIMIT: usize = 5000;
+
+/// Whether a task with `id` is waiting in the task stream: `Some(true)`,
+/// `Some(false)`, or `None` when the queue is too long to look through.
+async fn queued(conn: &Conn, id: &str) -> anyhow::Result<Option<bool>> {
+    let Ok(stream) = conn.stream(&conn.names.tasks_stream).await else {
+        return Ok(Some(false));
+    };
+    let filter = format!("{}.>", conn.names.tasks_prefix);
+    let mut seq = 0u64;
+    for _ in 0..QUEUE_SCAN_LIMIT {
+        let m = match stream
+            .raw_message_builder()
+            .sequence(seq + 1)
+            .next_by_subject(filter.clone())
+            .send()
+            .await
+        {
+            Ok(m) => m,
+            // No message after `seq` (or none at all).
+            Err(_) => return Ok(Some(false)),
+        };
+        seq = m.sequence;
+        // The JSON `id` wins over the header, as the worker reads it.
+        let json_id = serde_json::from_slice::<serde_json::Value>(&m.payload)
+            .ok()
+            .and_then(|v| v.get("id").and_then(|i| i.as_str()).map(String::from));
+        let msg_id = header(Some(&m.headers), "Nats-Msg-Id");
+        let task_id = json_id
+            .or(msg_id)
+            .unwrap_or_else(|| format!("seq-{}", m.sequence));
+        if task_id == id {
+            return Ok(Some(true));
+        }
+    }
+    Ok(None)
+}
+
+fn report(o: Outcome, json: bool) -> anyhow::Result<()> {
+    if json {
+        output::json_line(&o)
+    } else {
+        Ok(output::line(&o.message)?)
+    }
+}
+
+/// Whether a `cancelled` result is for an attempt that never started.
+fn never_ran(r: &TaskResult) -> bool {
+    r.exit_code.is_none()
+        && r.signal.is_none()
+        && r.error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("cancelled before it started"))
+}
+
 pub async fn run(ctx: &super::Ctx, args: CancelArgs) -> anyhow::Result<Exit> {
     if !valid_id(&args.id) {
         bail!("`{}` is not a task id ([A-Za-z0-9_-]{{1,128}})", args.id);
     }
+    let id = args.id.clone();
     let wait = parse_duration(&args.wait).map_err(|e| anyhow::anyhow!("--wait: {e}"))?;
     let conn = Conn::open(ctx).await?;
     let results = conn.ensure_results().await?;
-    if let Some(r) = conn.last_result(&results, &args.id).await? {
+    let last = conn.last_result(&results, &id).await?;
+    if let Some(r) = &last {
         if r.is_final {
-            output::line(&format!(
-                "{} already finished: {}; nothing to cancel",
-                args.id, r.status
-            ))?;
+            report(
+                Outcome {
+                    id: id.clone(),
+                    outcome: "finished",
+                    status: Some(r.status),
+                    worker: Some(r.worker_id.clone()),
+                    ran_ms: None,
+                    message: format!("{id} already finished: {}; nothing to cancel", r.status),
+                },
+                args.json,
+            )?;
             return Ok(Exit::NotSucceeded);
         }
     }
     let since_seq = conn.results_last_seq().await;
-    let worker = running_on(&conn, &args.id).await;
+    // A `running` record names the worker at once; heartbeats lag.
+    let worker = match &last {
+        Some(r) if r.status == Status::Running => Some(r.worker_id.clone()),
+        _ => running_on(&conn, &id).await,
+    };
+    if last.is_none() && worker.is_none() && !args.force {
+        match queued(&conn, &id).await? {
+            Some(true) => {}
+            Some(false) => {
+                eprintln!(
+                    "jetworker: no task {id} is known: no result, not running, not queued. \
+                     A cancellation stored now would cancel a task submitted later with this id; \
+                     use --force to store it anyway"
+                );
+                report(
+                    Outcome {
+                        id: id.clone(),
+                        outcome: "unknown",
+                        status: None,
+                        worker: None,
+                        ran_ms: None,
+                        message: format!("{id}: unknown task; nothing cancelled"),
+                    },
+                    args.json,
+                )?;
+                return Ok(Exit::NotSucceeded);
+            }
+            None => eprintln!(
+                "jetworker: the queue holds more than {QUEUE_SCAN_LIMIT} tasks; \
+                 not checked whether {id} is among them"
+            ),
+        }
+    }
     let store = match conn.js.get_key_value(&conn.names.cancel_bucket).await {
         Ok(s) => s,
         Err(_) => conn.ensure_infra().await?.cancel,
     };
     store
-        .put(&args.id, args.reason.clone().unwrap_or_default().into())
+        .put(&id, args.reason.clone().unwrap_or_default().into())
         .await
-        .with_context(|| format!("cannot store the cancellation of {}", args.id))?;
+        .with_context(|| format!("cannot store the cancellation of {id}"))?;
 
     // A queued task is cancelled when a worker pulls it, which may be much
     // later: only wait long for a task that is running. Heartbeats lag the
     // start of a task by up to one interval, so a task not listed yet gets
     // a short wait and a second look.
-    let ids = [args.id.clone()];
+    let ids = [id.clone()];
     let start = tokio::time::Instant::now();
     let first = if worker.is_some() {
         wait
@@ -86,47 +216,86 @@ pub async fn run(ctx: &super::Ctx, args: CancelArgs) -> anyhow::Result<Exit> {
         .await?;
     let worker = match worker {
         Some(w) => Some(w),
-        None => running_on(&conn, &args.id).await,
+        None => running_on(&conn, &id).await,
     };
     if done.is_empty() && worker.is_some() && first < wait {
         done = conn
             .wait_finals(&ids, since_seq, Some(start + wait), |_| {})
             .await?;
     }
-    match (done.get(&args.id), worker) {
-        (Some(r), Some(w)) if r.status == Status::Cancelled => {
-            output::line(&format!(
-                "{}: cancelled; the running attempt on {w} stopped after {}",
-                args.id,
-                output::short_duration(Duration::from_millis(r.duration_ms))
-            ))?;
-            Ok(Exit::Ok)
-        }
-        (Some(r), None) if r.status == Status::Cancelled => {
-            output::line(&format!("{}: cancelled before it ran", args.id))?;
-            Ok(Exit::Ok)
-        }
-        (Some(r), _) => {
-            output::line(&format!(
-                "{}: finished as {} before the cancellation took effect",
-                args.id, r.status
-            ))?;
-            Ok(Exit::NotSucceeded)
-        }
-        (None, Some(w)) => {
-            output::line(&format!(
-                "{}: cancellation requested; the attempt on {w} has not reported stopping within {}",
-                args.id,
-                humantime::format_duration(wait)
-            ))?;
-            Ok(Exit::NotSucceeded)
-        }
-        (None, None) => {
-            output::line(&format!(
-                "{}: cancellation requested; the task is not running, so it will not start",
-                args.id
-            ))?;
-            Ok(Exit::Ok)
-        }
-    }
+    // What happened is read from the result, not from the heartbeat (which
+    // lags the task by up to one interval).
+    let (outcome, exit) = match done.remove(&id) {
+        Some(r) if r.status == Status::Cancelled && never_ran(&r) => (
+            Outcome {
+                id: id.clone(),
+                outcome: "cancelled",
+                status: Some(r.status),
+                worker: Some(r.worker_id.clone()),
+                ran_ms: None,
+                message: format!("{id}: cancelled before it ran"),
+            },
+            Exit::Ok,
+        ),
+        Some(r) if r.status == Status::Cancelled => (
+            Outcome {
+                id: id.clone(),
+                outcome: "cancelled",
+                status: Some(r.status),
+                worker: Some(r.worker_id.clone()),
+                ran_ms: Some(r.duration_ms),
+                message: format!(
+                    "{id}: cancelled; the running attempt on {} stopped after {}",
+                    r.worker_id,
+                    output::short_duration(Duration::from_millis(r.duration_ms))
+                ),
+            },
+            Exit::Ok,
+        ),
+        Some(r) => (
+            Outcome {
+                id: id.clone(),
+                outcome: "finished",
+                status: Some(r.status),
+                worker: Some(r.worker_id.clone()),
+                ran_ms: Some(r.duration_ms),
+                message: format!(
+                    "{id}: finished as {} before the cancellation took effect",
+                    r.status
+                ),
+            },
+            Exit::NotSucceeded,
+        ),
+        None => match worker {
+            Some(w) => (
+                Outcome {
+                    id: id.clone(),
+                    outcome: "requested",
+                    status: None,
+                    worker: Some(w.clone()),
+                    ran_ms: None,
+                    message: format!(
+                        "{id}: cancellation requested; the attempt on {w} has not reported stopping within {}",
+                        humantime::format_duration(wait)
+                    ),
+                },
+                Exit::NotSucceeded,
+            ),
+            None => (
+                Outcome {
+                    id: id.clone(),
+                    outcome: "requested",
+                    status: None,
+                    worker: None,
+                    ran_ms: None,
+                    message: format!(
+                        "{id}: cancellation requested; the task is not running, so it will not start"
+                    ),
+                },
+                Exit::Ok,
+            ),
+        },
+    };
+    report(outcome, args.json)?;
+    Ok(exit)
 }

@@ -32,9 +32,7 @@ impl Conn {
     /// Connect with the command's settings (fails fast, exit 2).
     pub async fn open(ctx: &super::Ctx) -> anyhow::Result<Conn> {
         let client = ctx.client().await?;
-        let js = jetstream::ContextBuilder::new()
-            .timeout(Duration::from_secs(10))
-            .build(client.clone());
+        let js = crate::connect::jetstream(client.clone(), &ctx.connect);
         Ok(Conn {
             client,
             js,
@@ -247,17 +245,36 @@ const MAX_FILTERS: usize = 256;
 
 impl Conn {
     /// Wait until every id in `ids` has a final result (or `deadline`
-    /// passes), calling `on_final` for each as it arrives. Results stored
-    /// before the call count (a duplicate submit of a finished id is
-    /// answered by its old result, as the worker would answer it).
-    /// `since_seq` is the RESULTS sequence before the tasks were published;
-    /// it bounds the read when there are too many ids to filter by subject.
+    /// passes), calling `on_final` for each as it arrives. See
+    /// [`Conn::wait_results`].
     pub async fn wait_finals(
         &self,
         ids: &[String],
         since_seq: u64,
         deadline: Option<tokio::time::Instant>,
         mut on_final: impl FnMut(&TaskResult),
+    ) -> anyhow::Result<std::collections::BTreeMap<String, TaskResult>> {
+        self.wait_results(ids, since_seq, deadline, |r| {
+            if r.is_final {
+                on_final(r)
+            }
+        })
+        .await
+    }
+
+    /// Wait until every id in `ids` has a final result (or `deadline`
+    /// passes), calling `on_result` for each result of a pending id as it
+    /// arrives (non-final ones too: a retry is news to a waiter). Results stored
+    /// before the call count (a duplicate submit of a finished id is
+    /// answered by its old result, as the worker would answer it).
+    /// `since_seq` is the RESULTS sequence before the tasks were published;
+    /// it bounds the read when there are too many ids to filter by subject.
+    pub async fn wait_results(
+        &self,
+        ids: &[String],
+        since_seq: u64,
+        deadline: Option<tokio::time::Instant>,
+        mut on_result: impl FnMut(&TaskResult),
     ) -> anyhow::Result<std::collections::BTreeMap<String, TaskResult>> {
         let results = self.ensure_results().await?;
         let mut pending: std::collections::BTreeSet<&str> =
@@ -270,7 +287,7 @@ impl Conn {
             for id in ids {
                 if let Some(r) = self.last_result(&results, id).await? {
                     if r.is_final && pending.remove(id.as_str()) {
-                        on_final(&r);
+                        on_result(&r);
                         done.insert(id.clone(), r);
                     }
                 }
@@ -296,8 +313,12 @@ impl Conn {
             let Ok(r) = parse_result(&m.payload) else {
                 continue;
             };
-            if r.is_final && pending.remove(r.id.as_str()) {
-                on_final(&r);
+            if !pending.contains(r.id.as_str()) {
+                continue;
+            }
+            on_result(&r);
+            if r.is_final {
+                pending.remove(r.id.as_str());
                 done.insert(r.id.clone(), r);
             }
         }

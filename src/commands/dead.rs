@@ -5,9 +5,12 @@
 //! idempotency, so the same id would not run again) with a fresh attempt
 //! budget; `dead purge` removes them (all, or one id's, or one label's).
 //!
+//! `dead purge` asks first on a terminal and needs `--force` elsewhere.
+//!
 //! `--json` prints one dead letter per line:
 //! `{"id","label","reason","time","sequence","task"}` (`task` is the
-//! original bytes as text).
+//! original bytes as text); `replay --json`: `{"id","new_id","subject",
+//! "duplicate"}`; `purge --json`: `{"filter","purged"}`.
 
 use anyhow::{anyhow, bail, Context as _};
 use async_nats::jetstream::consumer::DeliverPolicy;
@@ -32,8 +35,8 @@ pub struct DeadArgs {
     /// Show at most the newest N (0: all).
     #[arg(long, default_value_t = 50, value_name = "N")]
     pub limit: usize,
-    /// Print JSON lines instead of a table.
-    #[arg(long)]
+    /// Print JSON lines instead of a table (or text).
+    #[arg(long, global = true)]
     pub json: bool,
 }
 
@@ -59,6 +62,25 @@ pub struct PurgeArgs {
     /// Only this label's dead letters.
     #[arg(long, short = 'l')]
     pub label: Option<String>,
+    /// Do not ask (needed when stdin is not a terminal).
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// What `replay --json` prints.
+#[derive(Serialize)]
+struct Replayed<'a> {
+    id: &'a str,
+    new_id: &'a str,
+    subject: &'a str,
+    duplicate: bool,
+}
+
+/// What `purge --json` prints.
+#[derive(Serialize)]
+struct Purged<'a> {
+    filter: &'a str,
+    purged: u64,
 }
 
 /// One dead letter.
@@ -129,8 +151,8 @@ pub async fn run(ctx: &super::Ctx, args: DeadArgs) -> anyhow::Result<Exit> {
     let conn = Conn::open(ctx).await?;
     match args.command {
         None => list(&conn, args.label, args.limit, args.json).await,
-        Some(DeadCommand::Replay(a)) => replay(&conn, &a.id).await,
-        Some(DeadCommand::Purge(a)) => purge(&conn, a).await,
+        Some(DeadCommand::Replay(a)) => replay(&conn, &a.id, args.json).await,
+        Some(DeadCommand::Purge(a)) => purge(&conn, a, args.json).await,
     }
 }
 
@@ -191,7 +213,7 @@ async fn replay_id(conn: &Conn, id: &str) -> anyhow::Result<String> {
     bail!("{id} was replayed too often (r1 to r999 all have results)")
 }
 
-async fn replay(conn: &Conn, id: &str) -> anyhow::Result<Exit> {
+async fn replay(conn: &Conn, id: &str, json: bool) -> anyhow::Result<Exit> {
     check_id(id)?;
     let filter = format!("{}.*.{id}", conn.names.dead_prefix);
     let Some(d) = read(conn, filter).await?.pop() else {
@@ -215,7 +237,14 @@ async fn replay(conn: &Conn, id: &str) -> anyhow::Result<Exit> {
         .publish(&subject, bytes, Some(&new_id), None)
         .await
         .with_context(|| format!("cannot replay {id}"))?;
-    if ack.duplicate {
+    if json {
+        output::json_line(&Replayed {
+            id,
+            new_id: &new_id,
+            subject: &subject,
+            duplicate: ack.duplicate,
+        })?;
+    } else if ack.duplicate {
         output::line(&format!(
             "{id} was already replayed as {new_id} (still queued)"
         ))?;
@@ -225,7 +254,7 @@ async fn replay(conn: &Conn, id: &str) -> anyhow::Result<Exit> {
     Ok(Exit::Ok)
 }
 
-async fn purge(conn: &Conn, a: PurgeArgs) -> anyhow::Result<Exit> {
+async fn purge(conn: &Conn, a: PurgeArgs, json: bool) -> anyhow::Result<Exit> {
     let p = &conn.names.dead_prefix;
     let label = match &a.label {
         Some(l) => {
@@ -243,11 +272,33 @@ async fn purge(conn: &Conn, a: PurgeArgs) -> anyhow::Result<Exit> {
         None => format!("{p}.>"),
     };
     let stream = conn.stream(&conn.names.dead_stream).await?;
+    if !a.force {
+        let n = read(conn, filter.clone()).await?.len();
+        if n == 0 {
+            return purged(&filter, 0, json);
+        }
+        let which = match (&a.id, &a.label) {
+            (None, None) => "ALL".to_string(),
+            _ => "the matching".to_string(),
+        };
+        output::confirm(
+            &format!("Delete {which} {n} dead letter(s) ({filter}) for good?"),
+            false,
+        )?;
+    }
     let r = stream
         .purge()
         .filter(&filter)
         .await
         .context("cannot purge dead letters")?;
-    output::line(&format!("purged {} dead letter(s)", r.purged))?;
+    purged(&filter, r.purged, json)
+}
+
+fn purged(filter: &str, n: u64, json: bool) -> anyhow::Result<Exit> {
+    if json {
+        output::json_line(&Purged { filter, purged: n })?;
+    } else {
+        output::line(&format!("purged {n} dead letter(s)"))?;
+    }
     Ok(Exit::Ok)
 }

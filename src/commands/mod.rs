@@ -4,7 +4,10 @@
 //! configuration or connection error).
 
 pub mod cancel;
+pub mod cli;
 pub mod common;
+pub mod completions;
+pub mod configcmd;
 pub mod dead;
 pub mod logs;
 pub mod output;
@@ -17,12 +20,13 @@ pub mod submit;
 pub mod taskflags;
 pub mod workers;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
 
-use crate::cli::{Cli, Command, GlobalArgs};
-use crate::config::{self, ConfigError, ConnectConfig, FileConfig, LogConfig};
+use crate::config::{self, ConfigError, ConnectConfig, Inputs, LogConfig, Settings};
+use cli::{Cli, Command};
 
 /// What a subcommand came to, besides errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,8 +39,6 @@ pub enum Exit {
 
 /// Shared settings handed to every subcommand.
 pub struct Ctx {
-    pub global: GlobalArgs,
-    pub file: FileConfig,
     pub connect: ConnectConfig,
 }
 
@@ -47,12 +49,19 @@ impl Ctx {
     }
 }
 
+/// Whether log lines (on stderr) may carry colour: stderr is a terminal
+/// and `NO_COLOR` is unset (log files and `docker logs` get plain text).
+pub fn log_colour() -> bool {
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
 /// Set up `tracing` to stderr.
 pub fn init_logging(log: &LogConfig) {
     let filter = tracing_subscriber::EnvFilter::try_new(&log.level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(!log.json && log_colour())
         .with_writer(std::io::stderr);
     let _ = if log.json {
         b.json()
@@ -92,34 +101,50 @@ pub fn main() -> ExitCode {
 }
 
 fn run_cli(cli: Cli) -> anyhow::Result<Exit> {
-    let file = config::load_file(&cli.global)?;
-    let mut log = config::resolve_log(&cli.global, &file)?;
+    // These print text generated from the definitions alone: no settings.
+    match &cli.command {
+        Command::Completions(a) => return completions::completions(a),
+        Command::Man(a) => return completions::man(a),
+        _ => {}
+    }
+    let mut flags = cli.global.flags.values.clone();
+    match &cli.command {
+        Command::Run(a) => flags.extend(a.worker.flags.values.clone()),
+        Command::Config(a) => flags.extend(a.worker_flags()),
+        _ => {}
+    }
+    let settings = Settings::gather(&Inputs {
+        flags,
+        env: &Inputs::process_env,
+        no_context: cli.global.no_context,
+    })?;
+    let mut log = config::resolve_log(&settings)?;
     // Operator commands talk to people: the client's connection chatter
     // at info level is noise there, so they log warnings unless asked.
-    let level_given = cli.global.log_level.is_some()
-        || file.log_level.is_some()
-        || std::env::var("RUST_LOG").is_ok_and(|v| !v.is_empty());
-    if !matches!(cli.command, Command::Run(_)) && !level_given {
+    if !matches!(cli.command, Command::Run(_)) && !log.level_given {
         log.level = "warn".into();
     }
     init_logging(&log);
+    for w in &settings.warnings {
+        tracing::warn!("{w}");
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    // The worker resolves its own settings (it needs the file by value).
-    if let Command::Run(args) = cli.command {
-        let cfg = config::resolve_worker(&cli.global, &args, file)?;
+    if let Command::Run(_) = cli.command {
+        let cfg = config::resolve_worker(&settings)?;
         return rt.block_on(run::run(cfg));
     }
-    let connect = config::resolve_connect(&cli.global, &file)?;
-    let ctx = Ctx {
-        global: cli.global,
-        file,
-        connect,
-    };
+    if let Command::Config(a) = cli.command {
+        return configcmd::run(&settings, a);
+    }
+    let connect = config::resolve_connect(&settings)?;
+    let ctx = Ctx { connect };
     rt.block_on(async move {
         match cli.command {
-            Command::Run(_) => unreachable!(),
+            Command::Run(_) | Command::Config(_) | Command::Completions(_) | Command::Man(_) => {
+                unreachable!()
+            }
             Command::Submit(a) => submit::run(&ctx, a).await,
             Command::Results(a) => results::run(&ctx, a).await,
             Command::Workers(a) => workers::run(&ctx, a).await,

@@ -160,6 +160,37 @@ pub fn line(s: &str) -> std::io::Result<()> {
     o.flush()
 }
 
+/// Tell a watcher (a person, a test, a script) on stderr that a follow or
+/// watch is subscribed: whatever is published from now on will be shown.
+/// One line, `jetworker: ready: <what>`, printed once.
+pub fn ready(what: &str) -> std::io::Result<()> {
+    let mut e = std::io::stderr().lock();
+    writeln!(e, "jetworker: ready: {what}")?;
+    e.flush()
+}
+
+/// Ask before a destructive step: with `force`, go ahead; on a terminal,
+/// ask `question` (y/N); elsewhere refuse, naming `--force`, so that a
+/// script never deletes by accident.
+pub fn confirm(question: &str, force: bool) -> anyhow::Result<()> {
+    use std::io::{BufRead, IsTerminal};
+    if force {
+        return Ok(());
+    }
+    if !std::io::stdin().is_terminal() {
+        anyhow::bail!("{question} Refusing without --force (stdin is not a terminal to ask)");
+    }
+    let mut e = std::io::stderr().lock();
+    write!(e, "{question} [y/N] ")?;
+    e.flush()?;
+    let mut answer = String::new();
+    std::io::stdin().lock().read_line(&mut answer)?;
+    match answer.trim().to_ascii_lowercase().as_str() {
+        "y" | "yes" => Ok(()),
+        _ => anyhow::bail!("not confirmed; nothing changed"),
+    }
+}
+
 /// `12ms`, `3.4s`, `2m05s`, `1h02m`: short, for a table column.
 pub fn short_duration(d: Duration) -> String {
     let ms = d.as_millis();

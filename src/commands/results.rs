@@ -1,7 +1,8 @@
 //! `jetworker results`: recent results as a table (one row per task: its
 //! latest attempt), filtered by `--status`, `--label`, `--since`, the newest
 //! `--limit` rows; `--follow` then prints a row per attempt as results
-//! arrive. `jetworker results <id>` shows one task whole, every attempt.
+//! arrive (`jetworker: ready: following results` on stderr once subscribed).
+//! `jetworker results <id>` shows one task whole, every attempt.
 //!
 //! `--json` prints each result message (DESIGN.md section 4) as one JSON
 //! line. `results <id>` exits 0 when the task's final result is `success`,
@@ -38,7 +39,7 @@ pub struct ResultsArgs {
     #[arg(long, default_value_t = 50, value_name = "N")]
     pub limit: usize,
     /// Keep running and print each new result as it arrives.
-    #[arg(long, short = 'F')]
+    #[arg(long, short = 'f', short_alias = 'F')]
     pub follow: bool,
     /// Print JSON lines (one result message per line).
     #[arg(long)]
@@ -67,7 +68,7 @@ const HEADERS: [&str; 8] = [
 /// A table row for one result.
 fn row(r: &TaskResult, now: DateTime<Utc>, colour: bool) -> Vec<String> {
     let mut status = status_text(r.status, colour);
-    if !r.is_final {
+    if !r.is_final && !matches!(r.status, Status::Running | Status::Queued) {
         status.push_str(" (retrying)");
     }
     let out = if r.output.trim().is_empty() {
@@ -151,6 +152,9 @@ pub async fn run(ctx: &super::Ctx, args: ResultsArgs) -> anyhow::Result<Exit> {
     if !args.follow {
         return Ok(Exit::Ok);
     }
+    // The reader was created before the list was read: nothing published
+    // from here on is missed.
+    output::ready("following results")?;
     // Later attempts: a row each, as they come.
     while let Some(m) = reader.next().await? {
         let Ok(r) = parse_result(&m.payload) else {

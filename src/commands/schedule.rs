@@ -6,12 +6,13 @@
 //! each firing its own id (`<id or name>-<YYYYMMDDTHHMMSSZ>`). Publishing
 //! on the same name replaces the schedule; purging the subject removes it.
 //!
-//! Specs: `--cron` (6 fields, seconds first, or `@hourly`-style names;
-//! server 2.14+), `--every 30s` (server 2.14+), `--at <RFC3339>` (once;
+//! Specs: `--cron` (6 fields, seconds first; 5 crontab fields, meaning
+//! second 0; or `@hourly`-style names; server 2.14+), `--every 30s` (server 2.14+), `--at <RFC3339>` (once;
 //! server 2.12+). The spec and time zone are checked locally, so a typo
 //! fails with exit 2 before anything is published.
 //!
-//! `ls --json` prints one object per schedule per line.
+//! `--json`: `ls` prints one object per schedule per line; `add` the new
+//! schedule as one such object; `rm` `{"name","removed":true}`.
 
 use std::time::Duration;
 
@@ -34,6 +35,9 @@ use crate::protocol::{parse_duration, valid_label};
 pub struct ScheduleArgs {
     #[command(subcommand)]
     pub command: ScheduleCommand,
+    /// Print JSON lines instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
 }
 
 #[derive(Debug, Clone, Subcommand)]
@@ -53,7 +57,7 @@ pub enum ScheduleCommand {
 pub struct AddArgs {
     /// Schedule name [A-Za-z0-9_-]{1,64}; the subject is schedules.<name>.
     pub name: String,
-    /// Cron spec with seconds: "0 */5 * * * *" (sec min hour dom month dow), or @hourly, @daily, …
+    /// Cron spec: "*/5 * * * *" (crontab, at second 0), "30 */5 * * * *" (seconds first), or @hourly, @daily, …
     #[arg(long, value_name = "SPEC")]
     pub cron: Option<String>,
     /// Fire every DURATION (at least 1s).
@@ -73,11 +77,7 @@ pub struct AddArgs {
 }
 
 #[derive(Debug, Clone, Args)]
-pub struct LsArgs {
-    /// Print JSON lines instead of a table.
-    #[arg(long)]
-    pub json: bool,
-}
+pub struct LsArgs {}
 
 #[derive(Debug, Clone, Args)]
 pub struct RmArgs {
@@ -87,9 +87,9 @@ pub struct RmArgs {
 
 pub async fn run(ctx: &super::Ctx, args: ScheduleArgs) -> anyhow::Result<Exit> {
     match args.command {
-        ScheduleCommand::Add(a) => add(ctx, a).await,
-        ScheduleCommand::Ls(a) => ls(ctx, a).await,
-        ScheduleCommand::Rm(a) => rm(ctx, a).await,
+        ScheduleCommand::Add(a) => add(ctx, a, args.json).await,
+        ScheduleCommand::Ls(_) => ls(ctx, args.json).await,
+        ScheduleCommand::Rm(a) => rm(ctx, a, args.json).await,
     }
 }
 
@@ -165,8 +165,19 @@ impl Spec {
     }
 }
 
-/// A cron spec as the server takes it: 6 fields, seconds first (5 fields
-/// are refused by the server, so here too), or a predefined `@` name.
+/// A cron spec as the server takes it: 6 fields, seconds first, or a
+/// predefined `@` name. A 5-field crontab spec (which the server refuses)
+/// is read as running at second 0: `*/5 * * * *` → `0 */5 * * * *`.
+pub fn server_cron(spec: &str) -> String {
+    let s = spec.trim();
+    if !s.starts_with('@') && s.split_whitespace().count() == 5 {
+        format!("0 {}", s.split_whitespace().collect::<Vec<_>>().join(" "))
+    } else {
+        s.to_string()
+    }
+}
+
+/// Check a cron spec in the server's form (see [`server_cron`]).
 pub fn parse_cron(spec: &str) -> anyhow::Result<croner::Cron> {
     const NAMES: [&str; 7] = [
         "@yearly",
@@ -191,7 +202,7 @@ pub fn parse_cron(spec: &str) -> anyhow::Result<croner::Cron> {
         .parse(s)
         .map_err(|e| {
             anyhow!(
-                "--cron: `{s}` is not a 6-field cron spec (sec min hour day month weekday): {e}"
+                "--cron: `{s}` is not a cron spec (sec min hour day month weekday, or the 5 crontab fields): {e}"
             )
         })
 }
@@ -230,6 +241,7 @@ pub fn spec_from_args(a: &AddArgs) -> anyhow::Result<Spec> {
         bail!("--tz applies to --cron only (the server refuses a time zone with @every and @at)");
     }
     if let Some(c) = &a.cron {
+        let c = &server_cron(c);
         parse_cron(c)?;
         if let Some(z) = &a.tz {
             z.parse::<chrono_tz::Tz>()
@@ -256,7 +268,7 @@ pub fn spec_from_args(a: &AddArgs) -> anyhow::Result<Spec> {
     bail!("give one of --cron, --every or --at")
 }
 
-async fn add(ctx: &super::Ctx, a: AddArgs) -> anyhow::Result<Exit> {
+async fn add(ctx: &super::Ctx, a: AddArgs, json: bool) -> anyhow::Result<Exit> {
     if !valid_label(&a.name) {
         bail!("schedule name `{}` is not [A-Za-z0-9_-]{{1,64}}", a.name);
     }
@@ -308,11 +320,25 @@ async fn add(ctx: &super::Ctx, a: AddArgs) -> anyhow::Result<Exit> {
             names.tasks_stream
         );
     }
-    conn.publish(&subject, bytes, None, Some(headers))
+    conn.publish(&subject, bytes.clone(), None, Some(headers))
         .await
         .with_context(|| format!("cannot store schedule {}", a.name))?;
-    let next = spec
-        .next_after(Utc::now(), Utc::now())
+    let next_time = spec.next_after(Utc::now(), Utc::now());
+    if json {
+        output::json_line(&ScheduleInfo {
+            name: a.name.clone(),
+            spec: spec.header(),
+            time_zone: match &spec {
+                Spec::Cron { tz, .. } => tz.clone(),
+                _ => None,
+            },
+            next: next_time,
+            target: target.clone(),
+            task: String::from_utf8_lossy(&bytes).into_owned(),
+        })?;
+        return Ok(Exit::Ok);
+    }
+    let next = next_time
         .map(output::timestamp)
         .unwrap_or_else(|| "-".into());
     output::line(&format!(
@@ -377,10 +403,10 @@ pub async fn list(conn: &Conn) -> anyhow::Result<Vec<ScheduleInfo>> {
     Ok(out)
 }
 
-async fn ls(ctx: &super::Ctx, a: LsArgs) -> anyhow::Result<Exit> {
+async fn ls(ctx: &super::Ctx, json: bool) -> anyhow::Result<Exit> {
     let conn = Conn::open(ctx).await?;
     let all = list(&conn).await?;
-    if a.json {
+    if json {
         for s in &all {
             output::json_line(s)?;
         }
@@ -408,7 +434,7 @@ async fn ls(ctx: &super::Ctx, a: LsArgs) -> anyhow::Result<Exit> {
     Ok(Exit::Ok)
 }
 
-async fn rm(ctx: &super::Ctx, a: RmArgs) -> anyhow::Result<Exit> {
+async fn rm(ctx: &super::Ctx, a: RmArgs, json: bool) -> anyhow::Result<Exit> {
     if !valid_label(&a.name) {
         bail!("schedule name `{}` is not [A-Za-z0-9_-]{{1,64}}", a.name);
     }
@@ -423,7 +449,11 @@ async fn rm(ctx: &super::Ctx, a: RmArgs) -> anyhow::Result<Exit> {
     if r.purged == 0 {
         bail!("no schedule named {}", a.name);
     }
-    output::line(&format!("removed schedule {}", a.name))?;
+    if json {
+        output::json_line(&serde_json::json!({"name": a.name, "removed": true}))?;
+    } else {
+        output::line(&format!("removed schedule {}", a.name))?;
+    }
     Ok(Exit::Ok)
 }
 
@@ -436,7 +466,13 @@ mod tests {
         assert!(parse_cron("*/3 * * * * *").is_ok());
         assert!(parse_cron("0 */5 * * * *").is_ok());
         assert!(parse_cron("@daily").is_ok());
-        assert!(parse_cron("*/5 * * * *").is_err(), "5 fields");
+        assert!(
+            parse_cron("*/5 * * * *").is_err(),
+            "5 fields reach the parser as 6"
+        );
+        assert_eq!(server_cron(" */5  * * * * "), "0 */5 * * * *");
+        assert_eq!(server_cron("*/3 * * * * *"), "*/3 * * * * *");
+        assert_eq!(server_cron("@daily"), "@daily");
         assert!(parse_cron("61 * * * * *").is_err());
         assert!(parse_cron("@every 5s").is_err());
     }

@@ -10,6 +10,10 @@
 //! output (`--json`: each final result as one JSON line). Exit code 0 only
 //! if every task succeeded, 1 otherwise (including `--wait-timeout`), 2 for
 //! a bad task or a connection problem.
+//!
+//! While waiting, stderr says when no online worker serves the label (the
+//! task then waits in the queue) and shows each attempt that will be
+//! retried.
 
 use std::io::Write;
 use std::time::Duration;
@@ -133,6 +137,7 @@ pub async fn run(ctx: &super::Ctx, args: SubmitArgs) -> anyhow::Result<Exit> {
     if !args.wait {
         return Ok(Exit::Ok);
     }
+    warn_if_unserved(&conn, &label).await;
     wait_and_report(&conn, &ids, since_seq, wait_timeout, args.json).await
 }
 
@@ -163,7 +168,19 @@ async fn wait_and_report(
     let mut failed = 0u64;
     let mut print_err: Option<anyhow::Error> = None;
     let done = conn
-        .wait_finals(ids, since_seq, deadline, |r| {
+        .wait_results(ids, since_seq, deadline, |r| {
+            // `running`/`queued` records are progress, not attempts.
+            if matches!(r.status, Status::Running | Status::Queued) {
+                return;
+            }
+            if !r.is_final {
+                let msg = retry_note(r);
+                match &bar {
+                    Some(b) => b.println(msg),
+                    None => eprintln!("{msg}"),
+                }
+                return;
+            }
             if r.status != Status::Success {
                 failed += 1;
             }
@@ -202,6 +219,49 @@ async fn wait_and_report(
     } else {
         Exit::NotSucceeded
     })
+}
+
+/// A non-final attempt, for stderr:
+/// `jetworker: <id> attempt 1/3 failed (exit 1): <error>; retrying in 2s`.
+fn retry_note(r: &TaskResult) -> String {
+    let mut s = format!(
+        "jetworker: {} attempt {}/{} {}",
+        r.id, r.attempt, r.max_attempts, r.status
+    );
+    if let Some(c) = r.exit_code {
+        s.push_str(&format!(" (exit {c})"));
+    }
+    if let Some(e) = &r.error {
+        s.push_str(&format!(": {}", output::first_line(e, 120)));
+    }
+    match r.retry_in_ms {
+        Some(ms) => s.push_str(&format!(
+            "; retrying in {}",
+            output::short_duration(Duration::from_millis(ms))
+        )),
+        None => s.push_str("; it will be retried"),
+    }
+    s
+}
+
+/// Warn (stderr) when no online worker serves `label`: the task then waits
+/// in the queue, and a waiter would otherwise wait without a hint.
+async fn warn_if_unserved(conn: &Conn, label: &str) {
+    let Ok(store) = conn.js.get_key_value(&conn.names.workers_bucket).await else {
+        eprintln!(
+            "jetworker: no worker has ever run here; {label} tasks wait in the queue until one serves the label (jetworker run --labels {label})"
+        );
+        return;
+    };
+    let Ok(all) = super::workers::list(&store).await else {
+        return;
+    };
+    if !all.iter().any(|hb| hb.labels.iter().any(|l| l == label)) {
+        eprintln!(
+            "jetworker: no worker online serves label {label} ({} online); the task waits in the queue until one does (jetworker run --labels {label})",
+            all.len()
+        );
+    }
 }
 
 /// One final result: a JSON line, or a summary line (and, for a single

@@ -288,20 +288,7 @@ fn read_stdin() -> anyhow::Result<String> {
 
 /// Parse task JSON into the wire form; the error names the field.
 pub fn parse_message(text: &str) -> anyhow::Result<TaskMessage> {
-    let v: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| anyhow!("not valid JSON: {e}"))?;
-    if !v.is_object() {
-        bail!("the task must be a JSON object");
-    }
-    serde_path_to_error::deserialize::<_, TaskMessage>(v).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner().to_string();
-        if path == "." {
-            anyhow!("{inner}")
-        } else {
-            anyhow!("{path}: {inner}")
-        }
-    })
+    crate::protocol::parse_message(text.as_bytes()).map_err(|e| anyhow!("{e}"))
 }
 
 /// `--limit NAME=VALUE` onto the limits object.

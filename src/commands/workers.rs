@@ -5,9 +5,11 @@
 //! `offline (expired)` for the limit marker the bucket leaves when a
 //! worker stops beating (DESIGN.md section 6).
 //!
-//! `--json`: the heartbeat values, one per line; with `--watch`, events
-//! `{"event":"online"|"offline","worker":…,"reason":…,"heartbeat":…}` one
-//! per line.
+//! `--json`: the heartbeat values, one per line. With `--watch`, one shape
+//! only: events `{"event":"online"|"offline","worker":…,"time":…,
+//! "reason":…,"heartbeat":…}` one per line, the workers already online
+//! first (as `online` events). Once the watch is subscribed, `--watch`
+//! prints `jetworker: ready: watching workers` on stderr.
 
 use std::collections::BTreeSet;
 
@@ -89,7 +91,11 @@ pub async fn run(ctx: &super::Ctx, args: WorkersArgs) -> anyhow::Result<Exit> {
     };
     let all = list(&store).await?;
     let colour = colour_enabled();
-    if args.json {
+    if args.json && args.watch {
+        for hb in &all {
+            print_event("online", &hb.id, None, Some(hb), hb.seen_at, true, colour)?;
+        }
+    } else if args.json {
         for hb in &all {
             output::json_line(hb)?;
         }
@@ -120,6 +126,7 @@ pub async fn run(ctx: &super::Ctx, args: WorkersArgs) -> anyhow::Result<Exit> {
     let Some(watch) = watch.as_mut() else {
         return Ok(Exit::Ok);
     };
+    output::ready("watching workers")?;
     let mut online: BTreeSet<String> = all.iter().map(|h| h.id.clone()).collect();
     while let Some(e) = watch.next().await {
         let e = e.context("watching workers")?;

@@ -427,6 +427,8 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     }
 
     shutdown.cancelled().await;
+    // The drain timeout counts from the request to stop.
+    let drain_until = tokio::time::Instant::now() + sh.cfg.drain_timeout;
     metrics.ready.store(false, Ordering::Relaxed);
     info!(
         running = sh.running.ids().len(),
@@ -434,7 +436,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     );
     // A puller finishes its current pull (at most PULL_EXPIRES); one stuck
     // on a dead connection is abandoned: what it may still receive is
-    // redelivered after ack wait.
+    // redelivered after ack wait. Running tasks go on meanwhile.
     for p in pullers {
         let abort = p.abort_handle();
         if tokio::time::timeout(PULL_EXPIRES + Duration::from_secs(3), p)
@@ -445,7 +447,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         }
     }
     tracker.close();
-    if tokio::time::timeout(sh.cfg.drain_timeout, tracker.wait())
+    if tokio::time::timeout_at(drain_until, tracker.wait())
         .await
         .is_err()
     {
@@ -510,9 +512,7 @@ async fn start_up(cfg: &WorkerConfig, id: &str, conn: Arc<ConnState>) -> anyhow:
     conn.connected.store(true, Ordering::SeqCst);
     crate::connect::check_server_version(&client)
         .map_err(|e| ConfigError::new("server", format!("{e:#}")))?;
-    let js = jetstream::ContextBuilder::new()
-        .timeout(Duration::from_secs(10))
-        .build(client.clone());
+    let js = crate::connect::jetstream(client.clone(), &cfg.connect);
     let names = cfg.connect.names.clone();
     let mut delay = Duration::from_millis(500);
     let mut tries = 0u32;

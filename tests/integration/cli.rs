@@ -61,33 +61,76 @@ pub fn assert_exit(o: &Output, code: i32) {
     );
 }
 
-/// A running command whose stdout is read line by line.
+/// A running command whose stdout and stderr are read line by line.
 pub struct Running {
     pub child: Child,
     lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+    errs: tokio::sync::mpsc::UnboundedReceiver<String>,
     pub seen: Vec<String>,
+    pub seen_err: Vec<String>,
+}
+
+/// Forward the lines of `r` into a channel.
+fn line_channel(
+    r: impl tokio::io::AsyncRead + Unpin + Send + 'static,
+) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut r = BufReader::new(r).lines();
+        while let Ok(Some(l)) = r.next_line().await {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    rx
 }
 
 impl Running {
     pub fn spawn(url: &str, args: &[&str]) -> Running {
         let mut c = jw_command(url, args);
         c.stdout(std::process::Stdio::piped());
+        c.stderr(std::process::Stdio::piped());
         let mut child = c.spawn().unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            let mut r = BufReader::new(out).lines();
-            while let Ok(Some(l)) = r.next_line().await {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = line_channel(child.stdout.take().unwrap());
+        let errs = line_channel(child.stderr.take().unwrap());
         Running {
             child,
-            lines: rx,
+            lines,
+            errs,
             seen: Vec::new(),
+            seen_err: Vec::new(),
         }
+    }
+
+    /// Wait for a stderr line containing `part`; returns it.
+    pub async fn expect_err(&mut self, part: &str, timeout: Duration) -> String {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            match tokio::time::timeout_at(deadline, self.errs.recv()).await {
+                Ok(Some(l)) => {
+                    self.seen_err.push(l.clone());
+                    if l.contains(part) {
+                        return l;
+                    }
+                }
+                Ok(None) => panic!(
+                    "stderr ended without {part:?}; saw {:#?} / stdout {:#?}",
+                    self.seen_err, self.seen
+                ),
+                Err(_) => panic!(
+                    "no stderr line with {part:?} in {timeout:?}; saw {:#?}",
+                    self.seen_err
+                ),
+            }
+        }
+    }
+
+    /// Wait for the `jetworker: ready:` line a follow or watch prints once
+    /// it is subscribed.
+    pub async fn ready(&mut self) {
+        self.expect_err("jetworker: ready:", Duration::from_secs(20))
+            .await;
     }
 
     /// Wait for a line containing every one of `parts`; returns it.
@@ -294,19 +337,52 @@ async fn setup_creates_and_updates_streams_and_buckets() {
     let server = NatsServer::start();
     let url = server.url();
     setup(&url, &[]).await;
-    setup(
-        &url,
-        &[
-            "--results-max-age",
-            "1h",
-            "--offline-after",
-            "5s",
-            "--cancel-max-age",
-            "2h",
-        ],
-    )
-    .await;
+    // Shortening the results' retention (7d → 1h) is refused without
+    // --force, and nothing changes.
+    let shorter = [
+        "setup",
+        "--results-max-age",
+        "1h",
+        "--offline-after",
+        "5s",
+        "--cancel-max-age",
+        "2h",
+    ];
+    let o = jw(&url, &shorter).await;
+    assert_exit(&o, 2);
+    assert!(stderr(&o).contains("refusing"), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("RESULTS: would update; max_age 7days → 1h (lowers)"),
+        "{}",
+        stdout(&o)
+    );
     let js = server.js().await;
+    assert_eq!(
+        js.get_stream("RESULTS")
+            .await
+            .unwrap()
+            .info()
+            .await
+            .unwrap()
+            .config
+            .max_age,
+        Duration::from_secs(7 * 24 * 3600)
+    );
+    // --dry-run --json: one object per stream and bucket, nothing changed.
+    let mut dry = shorter.to_vec();
+    dry.extend(["--dry-run", "--json", "--force"]);
+    let o = jw(&url, &dry).await;
+    assert_exit(&o, 0);
+    let plans = json_lines(&o);
+    assert_eq!(plans.len(), 5, "{plans:?}");
+    let results = plans.iter().find(|p| p["name"] == "RESULTS").unwrap();
+    assert_eq!(results["action"], "would update");
+    assert_eq!(results["changes"][0]["lowers"], true);
+    let mut forced = shorter.to_vec();
+    forced.push("--force");
+    setup(&url, &forced[1..]).await;
+    // (Lowering replicas needs a cluster; the rule is unit-tested in
+    // commands::setup.)
     let mut results = js.get_stream("RESULTS").await.unwrap();
     assert_eq!(
         results.info().await.unwrap().config.max_age,
@@ -511,6 +587,10 @@ async fn submit_wait_maps_final_results_to_exit_codes() {
     .await;
     run.expect(&["w-ok", "success", "attempt 2/3"], Duration::from_secs(10))
         .await;
+    let note = run
+        .expect_err("w-ok attempt 1/3 failed", Duration::from_secs(5))
+        .await;
+    assert!(note.contains("retrying in 1.0s"), "{note}");
     run.expect(&["output of w-ok attempt 2"], Duration::from_secs(5))
         .await;
     assert_eq!(run.exit_code(Duration::from_secs(10)).await, Some(0));
@@ -520,7 +600,12 @@ async fn submit_wait_maps_final_results_to_exit_codes() {
         &url,
         &["submit", "--id", "w-bad", "--wait", "--json", "--", "false"],
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // No worker serves the label: the waiter says so.
+    run.expect_err(
+        "no worker online serves label default",
+        Duration::from_secs(10),
+    )
+    .await;
     publish_result(
         &js,
         &fake_result("w-bad", "default", Status::Failed, true, 3),
@@ -542,7 +627,8 @@ async fn submit_wait_maps_final_results_to_exit_codes() {
             "submit", "--id", "ws", "--shards", "2", "--wait", "--", "true",
         ],
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    run.expect_err("no worker online serves label", Duration::from_secs(10))
+        .await;
     publish_result(
         &js,
         &fake_result("ws-0", "default", Status::Success, true, 1),
@@ -631,9 +717,10 @@ async fn results_lists_filters_and_shows_attempts() {
     let o = jw(&url, &["results", "nope"]).await;
     assert_exit(&o, 2);
 
-    // --follow: the table, then a row per new attempt.
-    let mut f = Running::spawn(&url, &["results", "--follow", "--label", "x"]);
+    // -f (--follow): the table, then a row per new attempt.
+    let mut f = Running::spawn(&url, &["results", "-f", "--label", "x"]);
     f.expect(&["r-c", "timeout"], Duration::from_secs(10)).await;
+    f.ready().await;
     publish_result(&js, &fake_result("r-d", "y", Status::Success, true, 1)).await;
     publish_result(&js, &fake_result("r-e", "x", Status::Cancelled, true, 1)).await;
     let l = f.expect(&["r-e"], Duration::from_secs(10)).await;
@@ -706,6 +793,7 @@ async fn workers_table_and_watch_see_stop_and_expiry() {
     watch
         .expect(&["w-1", "host-a"], Duration::from_secs(10))
         .await;
+    watch.ready().await;
     kv.put(
         "w-2",
         serde_json::to_vec(&heartbeat("w-2", &[])).unwrap().into(),
@@ -725,7 +813,7 @@ async fn workers_table_and_watch_see_stop_and_expiry() {
         .await;
 
     let mut watch = Running::spawn(&url, &["workers", "--watch", "--json"]);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    watch.ready().await;
     kv.put(
         "w-3",
         serde_json::to_vec(&heartbeat("w-3", &[])).unwrap().into(),
@@ -736,6 +824,13 @@ async fn workers_table_and_watch_see_stop_and_expiry() {
     let v: serde_json::Value = serde_json::from_str(&l).unwrap();
     assert_eq!(v["event"], "online");
     assert_eq!(v["heartbeat"]["slots"], 4);
+    // One shape per stream: the workers already online came first, as
+    // `online` events too.
+    for l in &watch.seen {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert!(v["event"].is_string(), "{l}");
+        assert!(v["worker"].is_string(), "{l}");
+    }
 }
 
 #[tokio::test]
@@ -744,10 +839,39 @@ async fn cancel_stores_the_key_and_reports() {
     let url = server.url();
     setup(&url, &[]).await;
     let js = server.js().await;
+    // An id that is nowhere: refused (exit 1), no key stored.
     let o = jw(&url, &["cancel", "c-1", "--reason", "not needed"]).await;
-    assert_exit(&o, 0);
-    assert!(stdout(&o).contains("not running"), "{}", stdout(&o));
+    assert_exit(&o, 1);
+    assert!(
+        stderr(&o).contains("no task c-1 is known"),
+        "{}",
+        stderr(&o)
+    );
     let kv = js.get_key_value("cancel").await.unwrap();
+    assert!(kv.get("c-1").await.unwrap().is_none());
+    // With --force the key is stored in advance.
+    let o = jw(
+        &url,
+        &[
+            "cancel",
+            "c-1",
+            "--reason",
+            "not needed",
+            "--force",
+            "--json",
+        ],
+    )
+    .await;
+    assert_exit(&o, 0);
+    let v = json_lines(&o);
+    assert_eq!(v[0]["outcome"], "requested", "{v:?}");
+    assert!(v[0]["message"].as_str().unwrap().contains("not running"));
+    // A queued task is known: no --force needed.
+    let o = jw(&url, &["submit", "--id", "c-q", "--", "true"]).await;
+    assert_exit(&o, 0);
+    let o = jw(&url, &["cancel", "c-q"]).await;
+    assert_exit(&o, 0);
+    assert!(stdout(&o).contains("will not start"), "{}", stdout(&o));
     assert_eq!(
         kv.get("c-1").await.unwrap().unwrap(),
         Bytes::from("not needed")
@@ -774,8 +898,14 @@ async fn cancel_stores_the_key_and_reports() {
         &fake_result("c-2", "default", Status::Cancelled, true, 1),
     )
     .await;
+    // The message comes from the result (the worker that stopped it, how
+    // long it ran), not from the heartbeat.
     run.expect(
-        &["c-2", "cancelled", "running attempt on w-9 stopped"],
+        &[
+            "c-2",
+            "cancelled",
+            "running attempt on fake-1 stopped after 12ms",
+        ],
         Duration::from_secs(10),
     )
     .await;
@@ -917,22 +1047,36 @@ async fn dead_lists_replays_and_purges() {
         &fake_result("d-1-r1", "default", Status::Failed, true, 3),
     )
     .await;
-    let o = jw(&url, &["dead", "replay", "d-1"]).await;
+    let o = jw(&url, &["dead", "replay", "d-1", "--json"]).await;
     assert_exit(&o, 0);
-    assert!(stdout(&o).contains("d-1-r2"), "{}", stdout(&o));
+    let v = json_lines(&o);
+    assert_eq!(v[0]["new_id"], "d-1-r2", "{v:?}");
+    assert_eq!(v[0]["subject"], "tasks.default");
     // A task that can never be valid is not replayed as it is.
     let o = jw(&url, &["dead", "replay", "d-2"]).await;
     assert_exit(&o, 2);
     assert!(stderr(&o).contains("timout"), "{}", stderr(&o));
     assert_exit(&jw(&url, &["dead", "replay", "d-nope"]).await, 2);
 
+    // Not a terminal: purging needs --force, and nothing is deleted.
     let o = jw(&url, &["dead", "purge", "--id", "d-1"]).await;
+    assert_exit(&o, 2);
+    assert!(stderr(&o).contains("--force"), "{}", stderr(&o));
+    let o = jw(&url, &["dead", "purge", "--id", "d-1", "--force"]).await;
     assert_exit(&o, 0);
     assert!(stdout(&o).contains("purged 1"), "{}", stdout(&o));
     let o = jw(&url, &["dead", "--json"]).await;
     assert_eq!(json_lines(&o).len(), 1);
     let o = jw(&url, &["dead", "purge"]).await;
-    assert!(stdout(&o).contains("purged 1"), "{}", stdout(&o));
+    assert_exit(&o, 2);
+    assert!(
+        stderr(&o).contains("Delete ALL 1 dead letter(s)"),
+        "{}",
+        stderr(&o)
+    );
+    let o = jw(&url, &["dead", "purge", "--force", "--json"]).await;
+    assert_exit(&o, 0);
+    assert_eq!(json_lines(&o)[0]["purged"], 1);
     assert!(stdout(&jw(&url, &["dead"]).await).contains("no dead letters"));
 }
 
@@ -943,8 +1087,8 @@ async fn schedule_every_fires_into_tasks_until_removed() {
     // Bad specs fail locally, before connecting.
     for (args, needle) in [
         (
-            vec!["schedule", "add", "s", "--cron", "*/5 * * * *", "--", "x"],
-            "6-field",
+            vec!["schedule", "add", "s", "--cron", "61 * * * *", "--", "x"],
+            "not a cron spec",
         ),
         (
             vec!["schedule", "add", "s", "--every", "500ms", "--", "x"],
@@ -1021,17 +1165,22 @@ async fn schedule_every_fires_into_tasks_until_removed() {
             "add",
             "nightly",
             "--cron",
-            "0 30 2 * * *",
+            "30 2 * * *",
             "--tz",
             "Europe/Paris",
             "-l",
             "sched",
+            "--json",
             "--",
             "backup",
         ],
     )
     .await;
     assert_exit(&o, 0);
+    // A 5-field crontab spec means second 0.
+    let added = json_lines(&o);
+    assert_eq!(added[0]["spec"], "0 30 2 * * *", "{added:?}");
+    assert_eq!(added[0]["target"], "tasks.sched");
     let o = jw(&url, &["schedule", "ls"]).await;
     assert_exit(&o, 0);
     let out = stdout(&o);
@@ -1076,4 +1225,97 @@ async fn schedule_every_fires_into_tasks_until_removed() {
     let o = jw(&url, &["schedule", "ls", "--json"]).await;
     assert_eq!(json_lines(&o).len(), 1);
     assert_exit(&jw(&url, &["schedule", "rm", "tick"]).await, 2);
+    let o = jw(&url, &["schedule", "rm", "nightly", "--json"]).await;
+    assert_exit(&o, 0);
+    assert_eq!(json_lines(&o)[0]["removed"], true);
+}
+
+#[tokio::test]
+async fn completions_man_page_and_config_check() {
+    // Completions and the man page need no server and no settings.
+    for (shell, needle) in [
+        ("bash", "complete -F"),
+        ("zsh", "#compdef jetworker"),
+        ("fish", "complete -c jetworker"),
+    ] {
+        let o = jw("nats://127.0.0.1:1", &["completions", shell]).await;
+        assert_exit(&o, 0);
+        let out = stdout(&o);
+        assert!(out.contains(needle), "{shell}: {out}");
+        assert!(
+            out.contains("submit") && out.contains("results-stream"),
+            "{shell}"
+        );
+    }
+    let o = jw("nats://127.0.0.1:1", &["man"]).await;
+    assert_exit(&o, 0);
+    assert!(stdout(&o).starts_with(".ie") || stdout(&o).contains(".TH jetworker"));
+
+    // config check: each setting, its value and where it came from.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.toml");
+    std::fs::write(
+        &file,
+        "labels = [\"a\", \"b\"]\n[names]\ntasks_stream = \"T2\"\n",
+    )
+    .unwrap();
+    let mut c = jw_command(
+        "nats://127.0.0.1:1",
+        &[
+            "config",
+            "check",
+            "--show-sources",
+            "--config",
+            file.to_str().unwrap(),
+            "--slots",
+            "3",
+        ],
+    );
+    c.env("JETWORKER_DRAIN_TIMEOUT", "7s");
+    let o = c.output().await.unwrap();
+    assert_exit(&o, 0);
+    let out = stdout(&o);
+    let line = |key: &str| {
+        out.lines()
+            .find(|l| l.starts_with(&format!("{key} ")))
+            .unwrap_or_else(|| panic!("{key} in {out}"))
+            .to_string()
+    };
+    assert!(line("server").contains("# flag --server"), "{out}");
+    assert!(line("slots").contains("= 3") && line("slots").contains("# flag --slots"));
+    assert!(line("drain_timeout").contains("# env JETWORKER_DRAIN_TIMEOUT"));
+    assert!(line("labels").contains("a,b") && line("labels").contains("# file "));
+    assert!(line("names.tasks_stream").contains("T2"), "{out}");
+    assert!(line("ack_wait").contains("30s") && line("ack_wait").contains("# default"));
+    // --json: one object per setting.
+    let o = jw(
+        "nats://127.0.0.1:1",
+        &["config", "check", "--json", "--slots", "3"],
+    )
+    .await;
+    assert_exit(&o, 0);
+    let v = json_lines(&o);
+    let slots = v.iter().find(|s| s["key"] == "slots").unwrap();
+    assert_eq!(slots["value"], "3");
+    assert_eq!(slots["source"], "flag --slots");
+    // A bad value: exit 2, one line naming it; a typo in the file: did you mean.
+    let o = jw("nats://127.0.0.1:1", &["config", "check", "--slots", "0"]).await;
+    assert_exit(&o, 2);
+    assert!(
+        stderr(&o).contains("invalid setting slots"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::write(&file, "drain_timout = \"5s\"\n").unwrap();
+    let o = jw(
+        "nats://127.0.0.1:1",
+        &["config", "check", "--config", file.to_str().unwrap()],
+    )
+    .await;
+    assert_exit(&o, 2);
+    assert!(
+        stderr(&o).contains("did you mean `drain_timeout`"),
+        "{}",
+        stderr(&o)
+    );
 }

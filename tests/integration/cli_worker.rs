@@ -151,7 +151,10 @@ async fn cancel_stops_a_running_sleep() {
     .await;
     let o = jw(&url, &["cancel", "nap", "--reason", "operator said so"]).await;
     assert_exit(&o, 0);
-    assert!(stdout(&o).contains("stopped"), "{}", stdout(&o));
+    // The message comes from the result: it ran, and on which worker.
+    let out = stdout(&o);
+    assert!(out.contains("running attempt on proc-"), "{out}");
+    assert!(out.contains("stopped after"), "{out}");
     let js = srv.js().await;
     let r = final_result(&js, "nap", T).await;
     assert_eq!(r.status, Status::Cancelled);
@@ -301,4 +304,60 @@ async fn schedule_every_second_runs_with_distinct_ids_until_removed() {
     let n = count().await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(count().await, n, "still firing after schedule rm");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_log_file_has_no_escape_codes() {
+    let srv = NatsServer::start();
+    let url = srv.url();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("worker.log");
+    // stderr is a file, not a terminal; NO_COLOR is not set.
+    let mut child = std::process::Command::new(crate::util::jetworker_bin())
+        .args(["run", "--server", &url, "--name", "plain", "--state-dir"])
+        .arg(dir.path().join("state"))
+        .args(["--heartbeat", "500ms", "--offline-after", "3s"])
+        .env_remove("NO_COLOR")
+        .env("LOG_LEVEL", "info")
+        .env("XDG_CONFIG_HOME", "/nonexistent-jetworker-test")
+        .stdin(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let o = jw(
+        &url,
+        &["submit", "--wait", "--id", "plain-1", "--", "exit 4"],
+    )
+    .await;
+    assert_exit(&o, 1);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = child.wait();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("INFO"), "the worker logged at info: {text}");
+    assert!(
+        !text.contains('\x1b'),
+        "escape codes in the log file:\n{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_wait_says_when_no_worker_serves_the_label() {
+    let srv = NatsServer::start();
+    let url = srv.url();
+    let (_w, _) = worker(&url, &["--labels", "cpu"]).await;
+    let mut run = Running::spawn(&url, &["submit", "--wait", "-l", "gpu", "--", "true"]);
+    let l = run.expect_err("no worker online serves label gpu", T).await;
+    assert!(l.contains("1 online"), "{l}");
+    assert!(l.contains("jetworker run --labels gpu"), "{l}");
+    // A label that is served: no such line.
+    let o = jw(&url, &["submit", "--wait", "-l", "cpu", "--", "true"]).await;
+    assert_exit(&o, 0);
+    assert!(
+        !crate::cli::stderr(&o).contains("no worker"),
+        "{}",
+        crate::cli::stderr(&o)
+    );
 }

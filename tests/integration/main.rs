@@ -12,6 +12,7 @@ mod history;
 mod http;
 mod lifecycle;
 mod proxy;
+mod readme;
 mod runner_ctx;
 mod soak;
 mod util;

@@ -303,6 +303,8 @@ impl ProcWorker {
                     std::env::var("TEST_LOG_LEVEL").unwrap_or_else(|_| "error".into())
                 }),
             )
+            // Neither the tester's nats context nor their config file.
+            .env("XDG_CONFIG_HOME", "/nonexistent-jetworker-test")
             .envs(opts.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null());
         if let Some(log) = &opts.log {
