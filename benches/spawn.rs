@@ -142,20 +142,7 @@ impl WorkerProc {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("start jetworker");
-        let prefix = format!("{name}-");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(kv) = js.get_key_value(&Names::default().workers_bucket).await {
-                if let Ok(keys) = kv.keys().await {
-                    let keys: Vec<String> = keys.filter_map(|k| async { k.ok() }).collect().await;
-                    if keys.iter().any(|k| k.starts_with(&prefix)) {
-                        break;
-                    }
-                }
-            }
-            assert!(Instant::now() < deadline, "worker did not start in 30s");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        common::wait_heartbeat(js, &format!("{name}-")).await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         WorkerProc {
             child,
