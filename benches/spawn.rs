@@ -1,274 +1,483 @@
-//! Raw spawn cost of a task process: a program spawned and waited for, over
-//! and over, through `tokio::process::Command` (as the worker does), with
-//! more and more of jetworker's process setup:
+//! Spawn cost, and what a worker makes of it end to end, each against a
+//! raw reference measured in the same run (issue 9's targets):
 //!
-//! - (a) a plain command — std takes the `posix_spawn` (vfork-like) path;
-//! - (b) plus `process_group(0)` — still `posix_spawn` (`POSIX_SPAWN_SETPGROUP`);
-//! - (c) jetworker's full setup, `jetworker::process::configure(&mut cmd,
-//!   None, ChildLimits::default())`: the process group plus a `pre_exec`
-//!   hook that sets the parent-death signal, which makes std fall back to
-//!   fork + exec;
-//! - (d) as (c) with all four rlimits set (more syscalls in the hook);
-//! - (e) no process setup, but `true` named without a path and the
-//!   environment the runner gives a task (`env_clear` + `PATH`): std then
-//!   also takes the fork path, to search the child's PATH.
+//! 1. **Spawn path, no broker.** Spawns/s at parallelism P (`SPAWN_PAR`,
+//!    the worker's slots, default 8):
+//!    - raw `posix_spawn("/bin/true")` + `waitpid`, P threads;
+//!    - raw `posix_spawn("bash", "-c", "true")`, P threads;
+//!    - jetworker's spawn path: `ProcessRunner::run` (working directory,
+//!      environment, process group, cgroup where writable, pipes, the
+//!      supervision clock) for `command /bin/true` and `shell true`, P
+//!      concurrent attempts on a 2-thread runtime.
+//! 2. **End to end**, through a private nats-server and the release
+//!    `jetworker run` binary as its own process (so its CPU and memory can
+//!    be read from `/proc`), with `--slots P` and containment on
+//!    (`--cgroups auto`):
+//!    - tasks/s for N `command /bin/true` and N `shell true` tasks
+//!      published at once, and the ratio to the raw spawn rates above;
+//!    - the worker's CPU (user + system, not its children) per task;
+//!    - p50 publish → result for `command /bin/true` at 100 tasks/s, next
+//!      to the raw JetStream round trip (publish → PubAck) and the raw
+//!      spawn latency (`posix_spawn` + `waitpid` of `/bin/true`);
+//!    - the worker's RSS idle, and with 64 `sleep` tasks running
+//!      (`--slots 64`).
 //!
-//! `bash -c true` is measured plain and under (c), since shell tasks pay
-//! bash's start-up on top. Finally (a), (c) and (e) are measured again
-//! after the bench process has touched a growing heap ("ballast", 4 KiB
-//! pages): fork copies the parent's page tables, `posix_spawn` does not, so
-//! the gap grows with the worker's resident size.
-//!
-//! Stdio is `/dev/null` in every variant, so only the spawn path differs.
-//! Each measurement spawns N processes split over `conc` concurrent loops on
-//! a 2-thread runtime; the variants are interleaved round by round (each
-//! round starting at the next variant) so that drifting machine load hits
-//! them alike, and the median of the rounds is printed with its ratio to (a)
-//! at the same concurrency.
-//!
-//! Run: `cargo bench --bench spawn`. Settings (environment): `SPAWN_N`
-//! (default 2000), `SPAWN_ROUNDS` (5), `SPAWN_BALLAST_MIB` (heap sizes,
-//! default `10,64,256`, N/10 spawns each; 10 MiB brings this process to
-//! the peak RSS of a worker in `benches/throughput.rs`).
+//! Run: `cargo bench --bench spawn` (needs nats-server on PATH or
+//! `NATS_SERVER_BIN`). Settings: `SPAWN_PAR` (8), `SPAWN_N` (3000 spawns
+//! per raw measurement), `BENCH_TASKS` (3000 per batch), `SPAWN_ROUNDS` (3,
+//! medians printed).
 
 mod common;
 
-use std::process::Stdio;
-use std::time::Instant;
+use std::ffi::CString;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use jetworker::process::{configure, ChildLimits};
-use tokio::process::Command;
+use async_nats::jetstream;
+use futures::StreamExt;
+use jetworker::protocol::{parse_task, Envelope, Names, Status, TaskResult, ValidationLimits};
+use jetworker::runner::command::ProcessRunner;
+use jetworker::runner::{RunContext, Stop};
 
-/// How the command is prepared before spawning.
-#[derive(Clone, Copy)]
-enum Setup {
-    Plain,
-    Group,
-    Jetworker,
-    JetworkerLimits,
-    /// No process setup, but the environment the runner gives a task:
-    /// `env_clear` and a `PATH`. A program named without a `/` is then
-    /// looked up in the child's PATH, which std does only on its fork path.
-    RunnerEnv,
-}
+const GIVE_UP: Duration = Duration::from_secs(300);
 
-/// One line of the table.
-struct Variant {
-    name: &'static str,
-    program: &'static str,
-    args: &'static [&'static str],
-    setup: Setup,
-}
-
-const VARIANTS: &[Variant] = &[
-    Variant {
-        name: "(a) /bin/true, plain",
-        program: "/bin/true",
-        args: &[],
-        setup: Setup::Plain,
-    },
-    Variant {
-        name: "(b) /bin/true, process_group(0)",
-        program: "/bin/true",
-        args: &[],
-        setup: Setup::Group,
-    },
-    Variant {
-        name: "(c) /bin/true, jetworker configure",
-        program: "/bin/true",
-        args: &[],
-        setup: Setup::Jetworker,
-    },
-    Variant {
-        name: "(d) /bin/true, configure + rlimits",
-        program: "/bin/true",
-        args: &[],
-        setup: Setup::JetworkerLimits,
-    },
-    Variant {
-        name: "(e) true by name, runner's env, plain",
-        program: "true",
-        args: &[],
-        setup: Setup::RunnerEnv,
-    },
-    Variant {
-        name: "bash -c true, plain",
-        program: "bash",
-        args: &["-c", "true"],
-        setup: Setup::Plain,
-    },
-    Variant {
-        name: "bash -c true, jetworker configure",
-        program: "bash",
-        args: &["-c", "true"],
-        setup: Setup::Jetworker,
-    },
-];
-
-/// The rlimits of (d): a typical task's memory, CPU time, process and file
-/// limits, all generous enough for `/bin/true`.
-const LIMITS: ChildLimits = ChildLimits {
-    memory: Some(256 << 20),
-    cpu_seconds: Some(60),
-    pids: Some(4096),
-    nofile: Some(1024),
-};
-
-fn command(v: &Variant) -> Command {
-    let mut cmd = Command::new(v.program);
-    cmd.args(v.args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    match v.setup {
-        Setup::Plain => {}
-        Setup::Group => {
-            cmd.process_group(0);
-        }
-        Setup::Jetworker => configure(&mut cmd, None, ChildLimits::default(), Vec::new()),
-        Setup::JetworkerLimits => configure(&mut cmd, None, LIMITS, Vec::new()),
-        Setup::RunnerEnv => {
-            cmd.env_clear().env("PATH", "/usr/local/bin:/usr/bin:/bin");
-        }
-    }
-    cmd
-}
-
-/// Spawn and wait for `n` processes over `conc` concurrent loops; spawns/s.
-async fn measure(v: &'static Variant, n: usize, conc: usize) -> f64 {
-    let per_loop = n / conc;
+/// `posix_spawn` `argv` and wait, `n` times over `par` threads; spawns/s.
+fn raw_spawn(argv: &[&str], n: usize, par: usize) -> f64 {
+    let per = n / par;
     let start = Instant::now();
-    let mut loops = tokio::task::JoinSet::new();
-    for _ in 0..conc {
-        loops.spawn(async move {
-            for _ in 0..per_loop {
-                let status = command(v)
-                    .spawn()
-                    .unwrap_or_else(|e| panic!("{}: spawn: {e}", v.name))
-                    .wait()
-                    .await
-                    .unwrap_or_else(|e| panic!("{}: wait: {e}", v.name));
-                assert!(status.success(), "{}: {status}", v.name);
+    std::thread::scope(|s| {
+        for _ in 0..par {
+            s.spawn(|| {
+                for _ in 0..per {
+                    raw_spawn_once(argv);
+                }
+            });
+        }
+    });
+    (per * par) as f64 / start.elapsed().as_secs_f64()
+}
+
+fn raw_spawn_once(argv: &[&str]) {
+    let c: Vec<CString> = argv.iter().map(|a| CString::new(*a).unwrap()).collect();
+    let mut ptrs: Vec<*mut libc::c_char> = c.iter().map(|a| a.as_ptr() as *mut _).collect();
+    ptrs.push(std::ptr::null_mut());
+    let env: [*mut libc::c_char; 1] = [std::ptr::null_mut()];
+    let mut pid: libc::pid_t = 0;
+    // SAFETY: valid NUL-terminated argv/envp arrays that outlive the call.
+    let rc = unsafe {
+        libc::posix_spawn(
+            &mut pid,
+            ptrs[0],
+            std::ptr::null(),
+            std::ptr::null(),
+            ptrs.as_ptr(),
+            env.as_ptr(),
+        )
+    };
+    assert_eq!(rc, 0, "posix_spawn {argv:?}");
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(status, 0, "{argv:?} failed");
+}
+
+fn task(json: &str) -> Arc<jetworker::protocol::Task> {
+    let env = Envelope {
+        label: "default",
+        stream_sequence: 1,
+        ..Default::default()
+    };
+    Arc::new(parse_task(json.as_bytes(), &env, &ValidationLimits::default()).expect("valid task"))
+}
+
+/// `n` attempts of `json` through the process runner, `par` at a time;
+/// attempts/s.
+async fn runner_rate(runner: Arc<ProcessRunner>, json: &str, n: usize, par: usize) -> f64 {
+    let t = task(json);
+    let per = n / par;
+    let start = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..par {
+        let (runner, t) = (runner.clone(), t.clone());
+        set.spawn(async move {
+            for _ in 0..per {
+                let ctx = RunContext {
+                    task: t.clone(),
+                    attempt: 1,
+                    worker_id: "bench".into(),
+                    timeout: Duration::from_secs(30),
+                    kill_grace: Duration::from_secs(1),
+                    output_cap: 64 * 1024,
+                    env: Default::default(),
+                    stop: Stop::new(),
+                    live: None,
+                };
+                let o = runner.run(ctx).await;
+                assert_eq!(o.status, Status::Success, "{o:?}");
             }
         });
     }
-    while let Some(r) = loops.join_next().await {
-        r.expect("spawn loop panicked");
+    while let Some(r) = set.join_next().await {
+        r.unwrap();
     }
-    (per_loop * conc) as f64 / start.elapsed().as_secs_f64()
+    (per * par) as f64 / start.elapsed().as_secs_f64()
 }
 
-const CONCURRENCY: [usize; 2] = [1, 2];
+/// A `jetworker run` process on the bench server.
+struct WorkerProc {
+    child: std::process::Child,
+    _state: tempfile::TempDir,
+}
 
-/// Interleaved rounds over `variants`; the median spawns/s of each
-/// (variant, concurrency), indexed `[variant][conc]`.
-async fn rounds(variants: &[&'static Variant], n: usize, rounds: usize) -> Vec<Vec<f64>> {
-    let mut samples = vec![vec![Vec::new(); CONCURRENCY.len()]; variants.len()];
-    for round in 0..rounds {
-        for (ci, &conc) in CONCURRENCY.iter().enumerate() {
-            // Each round starts at another variant, so none is always the
-            // first after a pause or a change of concurrency.
-            for k in 0..variants.len() {
-                let vi = (round + k) % variants.len();
-                samples[vi][ci].push(measure(variants[vi], n, conc).await);
+impl WorkerProc {
+    async fn start(url: &str, js: &jetstream::Context, slots: usize, name: &str) -> Self {
+        let state = tempfile::tempdir().unwrap();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_jetworker"))
+            .args(["run", "--server", url, "--slots", &slots.to_string()])
+            .args(["--name", name, "--heartbeat", "500ms", "--cgroups", "auto"])
+            .arg("--state-dir")
+            .arg(state.path())
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start jetworker");
+        common::wait_heartbeat(js, &format!("{name}-")).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        WorkerProc {
+            child,
+            _state: state,
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// User + system CPU of the worker itself (not its children), seconds.
+    fn cpu(&self) -> f64 {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap();
+        let f: Vec<&str> = stat
+            .rsplit_once(')')
+            .unwrap()
+            .1
+            .split_whitespace()
+            .collect();
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / hz
+    }
+
+    fn rss_mib(&self) -> f64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        s.lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .unwrap()
+            / 1024.0
+    }
+
+    /// Direct children (task processes and the watchdog).
+    fn children(&self) -> usize {
+        let mut n = 0;
+        if let Ok(rd) = std::fs::read_dir(format!("/proc/{}/task", self.pid())) {
+            for t in rd.flatten() {
+                n += std::fs::read_to_string(t.path().join("children"))
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .count();
+            }
+        }
+        n
+    }
+
+    fn stop(mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+    }
+}
+
+/// Final results by id prefix from a `results.>` subscription.
+struct Results(async_nats::Subscriber);
+
+impl Results {
+    async fn next_final(&mut self, prefix: &str) -> (TaskResult, Instant) {
+        let want = format!("{}.{prefix}", Names::default().results_prefix);
+        loop {
+            let m = tokio::time::timeout(GIVE_UP, self.0.next())
+                .await
+                .expect("results in time")
+                .expect("subscription open");
+            let at = Instant::now();
+            if !m.subject.as_str().starts_with(&want) {
+                continue;
+            }
+            let r: TaskResult = serde_json::from_slice(&m.payload).unwrap();
+            assert_eq!(r.status, Status::Success, "{} {:?}", r.id, r.error);
+            if r.is_final {
+                return (r, at);
             }
         }
     }
-    samples
-        .iter()
-        .map(|per_conc| per_conc.iter().map(|s| common::median(s)).collect())
-        .collect()
 }
 
-/// Print one table, with ratios to its first row.
-fn print_table(title: &str, variants: &[&Variant], medians: &[Vec<f64>]) {
-    println!("\n{title}");
-    print!("{:<40}", "variant");
-    for c in CONCURRENCY {
-        print!("  {:>17}", format!("conc {c}: /s  x(a)"));
-    }
-    println!();
-    for (v, m) in variants.iter().zip(medians) {
-        print!("{:<40}", v.name);
-        for ci in 0..CONCURRENCY.len() {
-            print!("  {:>10.0}  {:>5.2}", m[ci], m[ci] / medians[0][ci]);
-        }
-        println!();
-    }
+async fn publish(js: &jetstream::Context, body: String) {
+    js.publish(Names::default().task_subject("default"), body.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
 }
 
-/// Allocate and touch `mib` MiB in 4 KiB pages (no transparent huge
-/// pages), as a long-running worker's heap would be.
-fn ballast(mib: usize) -> Vec<u8> {
-    let len = mib << 20;
-    let mut v: Vec<u8> = Vec::with_capacity(len);
-    // SAFETY: advice on memory this Vec owns. Should it fail, THP may back
-    // the heap and the ballast rows understate what fork costs.
-    unsafe {
-        libc::madvise(v.as_mut_ptr().cast(), len, libc::MADV_NOHUGEPAGE);
+/// N tasks at once; (tasks/s, worker CPU ms per task).
+async fn batch(
+    js: &jetstream::Context,
+    res: &mut Results,
+    w: &WorkerProc,
+    kind: &str,
+    prefix: &str,
+    n: usize,
+) -> (f64, f64) {
+    let cpu0 = w.cpu();
+    let start = Instant::now();
+    futures::stream::iter(0..n)
+        .map(|i| publish(js, format!(r#"{{{kind},"id":"{prefix}{i:06}"}}"#)))
+        .buffer_unordered(256)
+        .for_each(|_| async {})
+        .await;
+    let mut seen = std::collections::HashSet::new();
+    while seen.len() < n {
+        seen.insert(res.next_final(prefix).await.0.id);
     }
-    v.resize(len, 1);
-    v
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    (rate, (w.cpu() - cpu0) * 1000.0 / n as f64)
 }
 
-fn thp_mode() -> String {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
+/// `n` tasks published at `per_sec` (open loop); sorted latencies.
+async fn paced(
+    js: &jetstream::Context,
+    res: &mut Results,
+    kind: &str,
+    prefix: &str,
+    n: usize,
+    per_sec: f64,
+) -> Vec<Duration> {
+    let every = Duration::from_secs_f64(1.0 / per_sec);
+    let sent: Arc<std::sync::Mutex<std::collections::HashMap<String, Instant>>> =
+        Default::default();
+    let pub_task = {
+        let (js, sent, kind, prefix) = (
+            js.clone(),
+            sent.clone(),
+            kind.to_string(),
+            prefix.to_string(),
+        );
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            for i in 0..n {
+                tick.tick().await;
+                let id = format!("{prefix}{i:06}");
+                sent.lock().unwrap().insert(id.clone(), Instant::now());
+                publish(&js, format!(r#"{{{kind},"id":"{id}"}}"#)).await;
+            }
+        })
+    };
+    let mut lat = Vec::with_capacity(n);
+    while lat.len() < n {
+        let (r, at) = res.next_final(prefix).await;
+        let t0 = sent.lock().unwrap()[&r.id];
+        lat.push(at - t0);
+    }
+    pub_task.await.unwrap();
+    lat.sort();
+    lat
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let n = common::env_usize("SPAWN_N", 2000);
-    let nrounds = common::env_usize("SPAWN_ROUNDS", 5);
-    let ballast_mib: Vec<usize> = std::env::var("SPAWN_BALLAST_MIB")
-        .unwrap_or_else(|_| "10,64,256".into())
-        .split(',')
-        .map(|s| {
-            s.trim()
-                .parse()
-                .unwrap_or_else(|_| panic!("SPAWN_BALLAST_MIB: `{s}` is not a size in MiB"))
+    let par = common::env_usize("SPAWN_PAR", 8);
+    let n = common::env_usize("SPAWN_N", 3000);
+    let n_tasks = common::env_usize("BENCH_TASKS", 3000);
+    let rounds = common::env_usize("SPAWN_ROUNDS", 3);
+    println!(
+        "spawn: parallelism {par}, {n} spawns / {n_tasks} tasks per measurement, median of {rounds}; {} CPUs",
+        std::thread::available_parallelism().map_or(0, |p| p.get())
+    );
+
+    // 1. Spawn path.
+    let state = tempfile::tempdir().unwrap();
+    let runner = Arc::new(
+        ProcessRunner::new(
+            vec!["bash".into(), "-c".into()],
+            &[],
+            None,
+            state.path(),
+            true,
+        )
+        .unwrap(),
+    );
+    let cmd_json = r#"{"type":"command","command":"/bin/true"}"#;
+    let sh_json = r#"{"type":"shell","payload":"true"}"#;
+    let (mut raw_t, mut raw_b, mut jw_c, mut jw_s) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..rounds {
+        raw_t.push(tokio::task::block_in_place(|| {
+            raw_spawn(&["/bin/true"], n, par)
+        }));
+        jw_c.push(runner_rate(runner.clone(), cmd_json, n, par).await);
+        raw_b.push(tokio::task::block_in_place(|| {
+            raw_spawn(&["/bin/bash", "-c", "true"], n / 2, par)
+        }));
+        jw_s.push(runner_rate(runner.clone(), sh_json, n / 2, par).await);
+    }
+    let (raw_t, raw_b) = (common::median(&raw_t), common::median(&raw_b));
+    let (jw_c, jw_s) = (common::median(&jw_c), common::median(&jw_s));
+    println!("\n1. spawn path, spawns/s at parallelism {par}");
+    println!("  raw posix_spawn /bin/true        {raw_t:>8.0}");
+    println!(
+        "  jetworker runner command /bin/true {jw_c:>6.0}  {:>5.0} % of raw",
+        100.0 * jw_c / raw_t
+    );
+    println!("  raw posix_spawn bash -c true     {raw_b:>8.0}");
+    println!(
+        "  jetworker runner shell true      {jw_s:>8.0}  {:>5.0} % of raw",
+        100.0 * jw_s / raw_b
+    );
+    runner.cleanup();
+    drop(runner);
+
+    // 2. End to end.
+    let server = common::NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let mut res = Results(
+        client
+            .subscribe(format!("{}.>", Names::default().results_prefix))
+            .await
+            .unwrap(),
+    );
+    client.flush().await.unwrap();
+    let w = WorkerProc::start(&server.url(), &js, par, "bench-spawn").await;
+    let idle_rss = w.rss_mib();
+    let run = std::process::id();
+    let (mut c_rate, mut c_cpu, mut s_rate, mut s_cpu) = (vec![], vec![], vec![], vec![]);
+    for round in 0..rounds {
+        let (r, c) = batch(
+            &js,
+            &mut res,
+            &w,
+            r#""type":"command","command":"/bin/true""#,
+            &format!("c{run}-{round}-"),
+            n_tasks,
+        )
+        .await;
+        c_rate.push(r);
+        c_cpu.push(c);
+        let (r, c) = batch(
+            &js,
+            &mut res,
+            &w,
+            r#""type":"shell","payload":"true""#,
+            &format!("s{run}-{round}-"),
+            n_tasks,
+        )
+        .await;
+        s_rate.push(r);
+        s_cpu.push(c);
+    }
+    let (c_rate, c_cpu) = (common::median(&c_rate), common::median(&c_cpu));
+    let (s_rate, s_cpu) = (common::median(&s_rate), common::median(&s_cpu));
+    println!("\n2. end to end, worker process with --slots {par}, containment on");
+    println!("  command /bin/true  {c_rate:>6.0} tasks/s  {:>4.0} % of raw posix_spawn (target 80 %)  worker CPU {c_cpu:.3} ms/task (target 0.3)", 100.0 * c_rate / raw_t);
+    println!("  shell true         {s_rate:>6.0} tasks/s  {:>4.0} % of raw bash -c true (target 80 %)  worker CPU {s_cpu:.3} ms/task", 100.0 * s_rate / raw_b);
+
+    // Latency at 100/s, and the references.
+    let mut rt = Vec::new();
+    let rt_subject = "bench.rt";
+    let _ = js
+        .create_stream(jetstream::stream::Config {
+            name: "BENCHRT".into(),
+            subjects: vec![rt_subject.into()],
+            storage: jetstream::stream::StorageType::Memory,
+            max_messages: 1000,
+            ..Default::default()
+        })
+        .await;
+    for _ in 0..300 {
+        let t0 = Instant::now();
+        js.publish(rt_subject, "x".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        rt.push(t0.elapsed());
+    }
+    rt.sort();
+    let mut sp: Vec<Duration> = (0..300)
+        .map(|_| {
+            let t0 = Instant::now();
+            raw_spawn_once(&["/bin/true"]);
+            t0.elapsed()
         })
         .collect();
+    sp.sort();
+    let lat = paced(
+        &js,
+        &mut res,
+        r#""type":"command","command":"/bin/true""#,
+        &format!("l{run}-"),
+        500,
+        100.0,
+    )
+    .await;
+    let (rt50, sp50, l50) = (
+        ms(common::percentile(&rt, 50.0)),
+        ms(common::percentile(&sp, 50.0)),
+        ms(common::percentile(&lat, 50.0)),
+    );
     println!(
-        "spawn: {n} spawns per measurement, median of {nrounds} interleaved rounds; \
-         {} CPUs; THP {}",
-        std::thread::available_parallelism().map_or(0, |p| p.get()),
-        thp_mode()
+        "  p50 publish→result at 100/s: {l50:.2} ms (p99 {:.2}); target ≤ 2 × {rt50:.2} (JetStream round trip) + {sp50:.2} (raw spawn) + 0.3 = {:.2} ms",
+        ms(common::percentile(&lat, 99.0)),
+        2.0 * rt50 + sp50 + 0.3
     );
+    w.stop();
 
-    let all: Vec<&'static Variant> = VARIANTS.iter().collect();
-    // Warm the page cache and the runtime; not reported.
-    for &v in &all {
-        measure(v, 50, 1).await;
+    // RSS: idle, and with 64 tasks running.
+    let w = WorkerProc::start(&server.url(), &js, 64, "bench-rss").await;
+    let idle64 = w.rss_mib();
+    for i in 0..64 {
+        publish(
+            &js,
+            format!(r#"{{"type":"command","command":"sleep","args":["3"],"id":"r{run}-{i}"}}"#),
+        )
+        .await;
     }
-    let medians = rounds(&all, n, nrounds).await;
-    print_table(
-        &format!(
-            "spawn + wait, spawns/s (bench process RSS {:.0} MiB)",
-            common::peak_rss_mib()
-        ),
-        &all,
-        &medians,
-    );
-
-    // (a), (c) and (e).
-    let some: Vec<&'static Variant> = vec![&VARIANTS[0], &VARIANTS[2], &VARIANTS[4]];
-    let n_big = (n / 10).max(CONCURRENCY.len());
-    let mut heap: Vec<Vec<u8>> = Vec::new();
-    for mib in ballast_mib {
-        let have = heap.iter().map(Vec::len).sum::<usize>() >> 20;
-        if mib > have {
-            heap.push(ballast(mib - have));
-        }
-        let medians = rounds(&some, n_big, nrounds).await;
-        print_table(
-            &format!(
-                "with {mib} MiB of touched heap (RSS {:.0} MiB), {n_big} spawns per measurement",
-                common::peak_rss_mib()
-            ),
-            &some,
-            &medians,
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut peak: f64 = 0.0;
+    // 64 tasks plus the watchdog.
+    while w.children() < 65 {
+        assert!(
+            Instant::now() < deadline,
+            "64 tasks did not start ({} children)",
+            w.children()
         );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    for _ in 0..20 {
+        peak = peak.max(w.rss_mib());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..64 {
+        res.next_final(&format!("r{run}-")).await;
+    }
+    println!(
+        "  RSS idle {idle_rss:.1} MiB (slots {par}), {idle64:.1} MiB (slots 64); with 64 tasks running {peak:.1} MiB (targets 12 / 24)"
+    );
+    w.stop();
 }

@@ -67,20 +67,8 @@ impl Worker {
         let handle = tokio::spawn(jetworker::worker::run(cfg, token.clone()));
         // Ready once its first heartbeat is stored; the pullers start right
         // after that.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            assert!(!handle.is_finished(), "the worker exited during start-up");
-            if let Ok(kv) = js.get_key_value(&Names::default().workers_bucket).await {
-                if let Ok(keys) = kv.keys().await {
-                    let keys: Vec<String> = keys.filter_map(|k| async { k.ok() }).collect().await;
-                    if keys.iter().any(|k| k.starts_with(&prefix)) {
-                        break;
-                    }
-                }
-            }
-            assert!(Instant::now() < deadline, "worker did not start in 30s");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        common::wait_heartbeat(js, &prefix).await;
+        assert!(!handle.is_finished(), "the worker exited during start-up");
         tokio::time::sleep(Duration::from_millis(250)).await;
         Worker {
             token,

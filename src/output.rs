@@ -1,6 +1,8 @@
 //! Bounded capture of a task's output: whatever a task prints, memory stays
 //! within the cap. The head and the tail are kept; the result text is cut on
-//! UTF-8 boundaries. Chunks are also handed to the live-output publisher.
+//! UTF-8 boundaries. Chunks are also handed to the live-output publisher,
+//! which coalesces them and caps their rate, so that a chatty task neither
+//! floods `logs.<id>` nor delays anything else the worker sends.
 
 use bytes::Bytes;
 
@@ -187,8 +189,62 @@ pub fn shrink(c: &Captured, max: usize) -> Captured {
     }
 }
 
-/// Publishes live output chunks on `logs.<id>` (core NATS, best effort:
-/// nobody may be listening, and nothing is stored).
+/// Header of a live-output chunk: the attempt it belongs to.
+pub const HEADER_ATTEMPT: &str = "Jetworker-Attempt";
+/// Header of a `Jetworker-Stream: skipped` message: how many bytes of
+/// output the rate cap kept off the live stream (the result has them).
+pub const HEADER_SKIPPED: &str = "Jetworker-Skipped";
+
+/// Live chunks are sent once this much is pending…
+const LIVE_MIN_CHUNK: usize = 4 * 1024;
+/// …or this long after the first pending byte…
+const LIVE_FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+/// …and never larger than this.
+const LIVE_MAX_CHUNK: usize = 64 * 1024;
+/// Per attempt: the sustained live-output rate, and the burst above it.
+const LIVE_RATE: f64 = 128.0 * 1024.0;
+const LIVE_BURST: f64 = 512.0 * 1024.0;
+/// Chunks queued between a runner and its publisher; a full queue skips.
+const LIVE_QUEUE: usize = 64;
+
+/// The stream that keeps recent live output, so that a follower attaching
+/// late sees the output so far: memory storage, a per-subject limit, short
+/// retention (DESIGN.md section 4, live output).
+pub fn logs_stream_config(names: &crate::protocol::Names) -> async_nats::jetstream::stream::Config {
+    use async_nats::jetstream::stream::{Config, DiscardPolicy, StorageType};
+    Config {
+        name: logs_stream_name(names),
+        subjects: vec![format!("{}.>", names.logs_prefix)],
+        storage: StorageType::Memory,
+        max_messages_per_subject: 1000,
+        max_bytes: 256 << 20,
+        max_age: std::time::Duration::from_secs(3600),
+        discard: DiscardPolicy::Old,
+        duplicate_window: std::time::Duration::from_secs(1),
+        description: Some("jetworker live output, recent (for late followers)".into()),
+        ..Default::default()
+    }
+}
+
+/// `LOGS` for the default `logs` prefix.
+pub fn logs_stream_name(names: &crate::protocol::Names) -> String {
+    names
+        .logs_prefix
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// Publishes live output on `logs.<id>` (core NATS publishes, kept for a
+/// while by the logs stream where it exists). Cheap to clone; each
+/// attempt's chunks go through an [`OutputSink`], which coalesces and
+/// rate-caps them.
 #[derive(Clone)]
 pub struct LiveOutput {
     client: async_nats::Client,
@@ -203,10 +259,7 @@ impl LiveOutput {
         }
     }
 
-    /// Publish one chunk with a `Jetworker-Stream` header.
-    pub async fn send(&self, kind: StreamKind, data: Bytes) {
-        let mut h = async_nats::HeaderMap::new();
-        h.insert(HEADER_STREAM, kind.as_str());
+    async fn publish(&self, h: async_nats::HeaderMap, data: Bytes) {
         let _ = self
             .client
             .publish_with_headers(self.subject.clone(), h, data)
@@ -219,35 +272,195 @@ impl LiveOutput {
         let mut h = async_nats::HeaderMap::new();
         h.insert(HEADER_STREAM, "eof");
         h.insert(HEADER_FINAL, if is_final { "true" } else { "false" });
-        let _ = self
-            .client
-            .publish_with_headers(self.subject.clone(), h, Bytes::new())
-            .await;
+        self.publish(h, Bytes::new()).await;
+    }
+}
+
+/// What a runner hands the live publisher.
+enum LiveMsg {
+    Chunk(StreamKind, Bytes),
+    Skipped(u64),
+}
+
+/// One attempt's live publisher: coalesces chunks per stream (at least
+/// [`LIVE_MIN_CHUNK`] or every [`LIVE_FLUSH_EVERY`]) and publishes them;
+/// what the rate cap skipped is announced with the next chunk (and at the
+/// end).
+async fn publish_live(
+    live: LiveOutput,
+    attempt: u32,
+    mut rx: tokio::sync::mpsc::Receiver<LiveMsg>,
+) {
+    use tokio::time::{sleep_until, Instant};
+    let attempt = attempt.to_string();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut kind = StreamKind::Stdout;
+    let mut since: Option<Instant> = None;
+    let mut skipped: u64 = 0;
+    let far = Instant::now() + std::time::Duration::from_secs(10 * 365 * 24 * 3600);
+    // Publish `data` (if any) after the skipped notice (if any).
+    let flush = |data: Vec<u8>, kind: StreamKind, skipped: &mut u64| {
+        let live = live.clone();
+        let attempt = attempt.clone();
+        let n = std::mem::take(skipped);
+        async move {
+            let headers = |stream: &str| {
+                let mut h = async_nats::HeaderMap::new();
+                h.insert(HEADER_STREAM, stream);
+                h.insert(HEADER_ATTEMPT, attempt.as_str());
+                h
+            };
+            if n > 0 {
+                let mut h = headers("skipped");
+                h.insert(HEADER_SKIPPED, n.to_string().as_str());
+                live.publish(h, Bytes::new()).await;
+            }
+            if !data.is_empty() {
+                live.publish(headers(kind.as_str()), Bytes::from(data))
+                    .await;
+            }
+        }
+    };
+    loop {
+        let msg = tokio::select! {
+            m = rx.recv() => m,
+            _ = sleep_until(since.map(|t| t + LIVE_FLUSH_EVERY).unwrap_or(far)), if since.is_some() => {
+                flush(std::mem::take(&mut pending), kind, &mut skipped).await;
+                since = None;
+                continue;
+            }
+        };
+        match msg {
+            None => {
+                flush(std::mem::take(&mut pending), kind, &mut skipped).await;
+                return;
+            }
+            Some(LiveMsg::Skipped(n)) => skipped += n,
+            Some(LiveMsg::Chunk(k, data)) => {
+                if k != kind && !pending.is_empty() {
+                    flush(std::mem::take(&mut pending), kind, &mut skipped).await;
+                }
+                kind = k;
+                pending.extend_from_slice(&data);
+                since.get_or_insert_with(Instant::now);
+                while pending.len() >= LIVE_MIN_CHUNK {
+                    let n = pending.len().min(LIVE_MAX_CHUNK);
+                    let rest = pending.split_off(n);
+                    flush(std::mem::replace(&mut pending, rest), kind, &mut skipped).await;
+                    since = if pending.is_empty() {
+                        None
+                    } else {
+                        Some(Instant::now())
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// The live side of a sink: a token bucket (the rate cap) in front of the
+/// publisher task, started on the first output.
+struct LiveFeed {
+    live: LiveOutput,
+    attempt: u32,
+    tx: Option<tokio::sync::mpsc::Sender<LiveMsg>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    tokens: f64,
+    refilled: std::time::Instant,
+    skipped: u64,
+}
+
+impl LiveFeed {
+    fn push(&mut self, kind: StreamKind, data: &[u8]) {
+        let now = std::time::Instant::now();
+        self.tokens = (self.tokens + now.duration_since(self.refilled).as_secs_f64() * LIVE_RATE)
+            .min(LIVE_BURST);
+        self.refilled = now;
+        // A chunk goes whole or not at all: no trickle of slivers.
+        if self.tokens < data.len() as f64 {
+            self.skipped += data.len() as u64;
+            return;
+        }
+        if self.tx.is_none() {
+            let (tx, rx) = tokio::sync::mpsc::channel(LIVE_QUEUE);
+            self.task = Some(tokio::spawn(publish_live(
+                self.live.clone(),
+                self.attempt,
+                rx,
+            )));
+            self.tx = Some(tx);
+        }
+        let tx = self.tx.as_ref().expect("publisher started");
+        if self.skipped > 0 && tx.try_send(LiveMsg::Skipped(self.skipped)).is_ok() {
+            self.skipped = 0;
+        }
+        match tx.try_send(LiveMsg::Chunk(kind, Bytes::copy_from_slice(data))) {
+            Ok(()) => self.tokens -= data.len() as f64,
+            Err(_) => self.skipped += data.len() as u64,
+        }
+    }
+
+    /// Flush, say what was skipped, and wait until everything is handed to
+    /// the client (so the worker's `eof` comes after it).
+    async fn finish(mut self) {
+        if self.skipped > 0 {
+            if self.tx.is_none() {
+                let (tx, rx) = tokio::sync::mpsc::channel(LIVE_QUEUE);
+                self.task = Some(tokio::spawn(publish_live(
+                    self.live.clone(),
+                    self.attempt,
+                    rx,
+                )));
+                self.tx = Some(tx);
+            }
+            if let Some(tx) = &self.tx {
+                let _ = tx.send(LiveMsg::Skipped(self.skipped)).await;
+            }
+        }
+        drop(self.tx.take());
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
     }
 }
 
 /// Capture plus optional live forwarding; what runners write output to.
+/// Pushing never waits: the live side is bounded, coalesced and
+/// rate-capped (what it skips is announced on the live stream; the
+/// captured output is complete within its cap).
 pub struct OutputSink {
     capture: Capture,
-    live: Option<LiveOutput>,
+    live: Option<LiveFeed>,
 }
 
 impl OutputSink {
-    pub fn new(cap: u64, live: Option<LiveOutput>) -> Self {
+    pub fn new(cap: u64, live: Option<LiveOutput>, attempt: u32) -> Self {
         OutputSink {
             capture: Capture::new(cap),
-            live,
+            live: live.map(|live| LiveFeed {
+                live,
+                attempt,
+                tx: None,
+                task: None,
+                tokens: LIVE_BURST,
+                refilled: std::time::Instant::now(),
+                skipped: 0,
+            }),
         }
     }
 
-    pub async fn push(&mut self, kind: StreamKind, data: &[u8]) {
+    pub fn push(&mut self, kind: StreamKind, data: &[u8]) {
         self.capture.push(data);
-        if let Some(l) = &self.live {
-            l.send(kind, Bytes::copy_from_slice(data)).await;
+        if let Some(l) = &mut self.live {
+            l.push(kind, data);
         }
     }
 
-    pub fn finish(&self) -> Captured {
+    /// The captured output, once the live side has published everything.
+    pub async fn finish(mut self) -> Captured {
+        if let Some(l) = self.live.take() {
+            l.finish().await;
+        }
         self.capture.finish()
     }
 }

@@ -356,6 +356,16 @@ pub async fn ensure_all(
         replicas: Some(replicas),
         ..o.clone()
     };
+    // Recent live output for late followers; live output works without it.
+    if let Err(e) = ensure_stream(
+        js,
+        crate::output::logs_stream_config(names),
+        o.update_existing,
+    )
+    .await
+    {
+        tracing::warn!("no live-output stream ({e:#}); `logs --follow` sees only output published after it attaches");
+    }
     Ok(Infra {
         tasks: ensure_tasks_stream(js, names, o).await?,
         results: ensure_stream(js, results_stream_config(names, o), o.update_existing).await?,

@@ -58,6 +58,29 @@ pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// Wait until a worker whose id starts with `prefix` has stored a
+/// heartbeat (its pullers start right after), at most 30 s.
+pub async fn wait_heartbeat(js: &async_nats::jetstream::Context, prefix: &str) {
+    use futures::StreamExt;
+    let bucket = jetworker::protocol::Names::default().workers_bucket;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(kv) = js.get_key_value(&bucket).await {
+            if let Ok(keys) = kv.keys().await {
+                let keys: Vec<String> = keys.filter_map(|k| async { k.ok() }).collect().await;
+                if keys.iter().any(|k| k.starts_with(prefix)) {
+                    return;
+                }
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "worker did not start in 30s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The integration tests' harness: a private nats-server that picks its own
 /// port, with a temporary store, killed and removed on drop.
 #[path = "../../tests/integration/util.rs"]

@@ -1,11 +1,21 @@
 //! `jetworker logs <id>`: the output of a task. Without `--follow`, the
-//! output stored in its latest result. With `--follow`, the live output the
-//! worker publishes on core NATS `logs.<id>` while the task runs (raw
-//! chunks, header `Jetworker-Stream: stdout|stderr`, a final empty message
-//! with `Jetworker-Stream: eof`), written to this process's stdout and
-//! stderr as it arrives; it ends at `eof` or when a final result for the
-//! id appears. Live output is not stored: a follower sees what is published
-//! after it subscribed (a finished task's stored output is shown instead).
+//! output stored in its latest result. With `--follow` (`-f`), the live
+//! output the worker publishes on `logs.<id>` (coalesced chunks, header
+//! `Jetworker-Stream: stdout|stderr`, `skipped` when the rate cap dropped
+//! some, and an empty `eof` message ending each attempt), written to this
+//! process's stdout and stderr as it arrives.
+//!
+//! A follower that attaches late still gets the output so far: the logs
+//! stream keeps the recent messages of every `logs.<id>` subject and the
+//! follower reads them from the start (without that stream, only what is
+//! published after it subscribed). Between attempts it prints a separator
+//! on stderr, and at the end the final status. Once its subscription is in
+//! place it prints the ready line `jetworker: following <id>` on stderr.
+//! It ends at the final attempt's `eof` or when a final result appears.
+//!
+//! `--json`: one JSON object per line, all of the same shape
+//! ([`LogLine`]): `event` is `output`, `skipped`, `attempt_end` or
+//! `result`.
 //!
 //! Exit code: 0 when the task's final result is `success` (or unknown when
 //! following ends), 1 when it is another status, 2 on errors.
@@ -14,25 +24,80 @@ use std::io::Write;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
+use async_nats::jetstream::consumer::DeliverPolicy;
 use clap::Args;
 use futures::StreamExt;
+use serde::Serialize;
 
-use super::common::{header, Conn};
+use super::common::{header, Conn, OrderedReader};
 use super::Exit;
+use crate::output::{logs_stream_name, HEADER_ATTEMPT, HEADER_SKIPPED};
 use crate::protocol::{valid_id, Status, TaskResult};
 
 use crate::protocol::HEADER_FINAL;
 /// Header naming the stream of a live-output chunk (`stdout`, `stderr`,
-/// or `eof` on the last, empty message of an attempt).
+/// `skipped`, or `eof` on the last, empty message of an attempt).
 pub use crate::protocol::HEADER_STREAM;
 
 #[derive(Debug, Clone, Args)]
 pub struct LogsArgs {
     /// Task id.
     pub id: String,
-    /// Stream the live output until the task ends.
-    #[arg(long, short = 'F')]
+    /// Stream the live output until the task ends (from its start, if the
+    /// worker's logs stream still has it).
+    #[arg(long, short = 'f', visible_short_alias = 'F')]
     pub follow: bool,
+    /// One JSON object per line instead of raw output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One line of `logs --json`; every line has every field.
+#[derive(Debug, Serialize, PartialEq)]
+pub struct LogLine {
+    pub id: String,
+    /// `output`, `skipped`, `attempt_end` or `result`.
+    pub event: &'static str,
+    pub attempt: Option<u32>,
+    /// `stdout` or `stderr` for `output`.
+    pub stream: Option<String>,
+    /// The output text (`output`; the stored output for a `result` read
+    /// without `--follow`).
+    pub data: Option<String>,
+    /// Bytes left off the live stream (`skipped`).
+    pub bytes: Option<u64>,
+    /// Whether no retry follows (`attempt_end`, `result`).
+    pub r#final: Option<bool>,
+    /// The result's status and error (`result`).
+    pub status: Option<String>,
+    pub error: Option<String>,
+}
+
+impl LogLine {
+    fn new(id: &str, event: &'static str) -> Self {
+        LogLine {
+            id: id.to_string(),
+            event,
+            attempt: None,
+            stream: None,
+            data: None,
+            bytes: None,
+            r#final: None,
+            status: None,
+            error: None,
+        }
+    }
+
+    fn result(r: &TaskResult, with_output: bool) -> Self {
+        LogLine {
+            attempt: Some(r.attempt),
+            data: with_output.then(|| r.output.clone()),
+            r#final: Some(r.is_final),
+            status: Some(r.status.as_str().to_string()),
+            error: r.error.clone(),
+            ..LogLine::new(&r.id, "result")
+        }
+    }
 }
 
 fn exit_for(r: Option<&TaskResult>) -> Exit {
@@ -42,7 +107,127 @@ fn exit_for(r: Option<&TaskResult>) -> Exit {
     }
 }
 
-fn print_stored(r: &TaskResult) -> anyhow::Result<()> {
+/// Where lines go: raw output to stdout/stderr, or JSON lines.
+struct Printer {
+    id: String,
+    json: bool,
+    /// The attempt whose output was printed last.
+    attempt: Option<u32>,
+}
+
+impl Printer {
+    fn line(&self, l: &LogLine) -> anyhow::Result<()> {
+        let mut o = std::io::stdout().lock();
+        serde_json::to_writer(&mut o, l)?;
+        o.write_all(b"\n")?;
+        o.flush()?;
+        Ok(())
+    }
+
+    fn output(&mut self, attempt: Option<u32>, stream: &str, data: &[u8]) -> anyhow::Result<()> {
+        if self.json {
+            return self.line(&LogLine {
+                attempt,
+                stream: Some(stream.to_string()),
+                data: Some(String::from_utf8_lossy(data).into_owned()),
+                ..LogLine::new(&self.id, "output")
+            });
+        }
+        if let Some(a) = attempt {
+            if self.attempt.is_some_and(|prev| prev != a) || (self.attempt.is_none() && a > 1) {
+                eprintln!("jetworker: ── attempt {a} ──");
+            }
+            self.attempt = Some(a);
+        }
+        if stream == "stderr" {
+            let mut e = std::io::stderr().lock();
+            e.write_all(data)?;
+            e.flush()?;
+        } else {
+            let mut o = std::io::stdout().lock();
+            o.write_all(data)?;
+            o.flush()?;
+        }
+        Ok(())
+    }
+
+    fn skipped(&self, attempt: Option<u32>, bytes: u64) -> anyhow::Result<()> {
+        if self.json {
+            return self.line(&LogLine {
+                attempt,
+                bytes: Some(bytes),
+                ..LogLine::new(&self.id, "skipped")
+            });
+        }
+        eprintln!(
+            "jetworker: [{bytes} bytes of live output skipped (rate cap); the result keeps them]"
+        );
+        Ok(())
+    }
+
+    fn attempt_end(&self, is_final: bool) -> anyhow::Result<()> {
+        if self.json {
+            return self.line(&LogLine {
+                attempt: self.attempt,
+                r#final: Some(is_final),
+                ..LogLine::new(&self.id, "attempt_end")
+            });
+        }
+        if !is_final {
+            eprintln!("jetworker: ── attempt ended; a retry follows ──");
+        }
+        Ok(())
+    }
+
+    fn result(&self, r: &TaskResult) -> anyhow::Result<()> {
+        if self.json {
+            return self.line(&LogLine::result(r, false));
+        }
+        match &r.error {
+            Some(e) => eprintln!(
+                "jetworker: {} {} (attempt {}): {e}",
+                r.id, r.status, r.attempt
+            ),
+            None => eprintln!("jetworker: {} {} (attempt {})", r.id, r.status, r.attempt),
+        }
+        Ok(())
+    }
+
+    /// One live message; `Some(final)` at an `eof`.
+    fn message(
+        &mut self,
+        headers: Option<&async_nats::HeaderMap>,
+        payload: &[u8],
+    ) -> anyhow::Result<Option<bool>> {
+        let attempt = header(headers, HEADER_ATTEMPT).and_then(|a| a.parse().ok());
+        match header(headers, HEADER_STREAM).as_deref() {
+            Some("eof") => {
+                let is_final = header(headers, HEADER_FINAL).as_deref() != Some("false");
+                self.attempt_end(is_final)?;
+                return Ok(Some(is_final));
+            }
+            Some("skipped") => {
+                let n = header(headers, HEADER_SKIPPED)
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0);
+                self.skipped(attempt, n)?;
+            }
+            Some("stderr") => self.output(attempt, "stderr", payload)?,
+            _ => self.output(attempt, "stdout", payload)?,
+        }
+        Ok(None)
+    }
+}
+
+fn print_stored(r: &TaskResult, json: bool) -> anyhow::Result<()> {
+    if json {
+        let p = Printer {
+            id: r.id.clone(),
+            json,
+            attempt: None,
+        };
+        return p.line(&LogLine::result(r, true));
+    }
     let mut o = std::io::stdout().lock();
     o.write_all(r.output.as_bytes())?;
     o.flush()?;
@@ -53,6 +238,24 @@ fn print_stored(r: &TaskResult) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Live messages: from the logs stream (from the start of what it keeps),
+/// or a plain subscription where there is no such stream.
+enum Live {
+    Stream(Box<OrderedReader>),
+    Core(async_nats::Subscriber),
+}
+
+impl Live {
+    async fn next(
+        &mut self,
+    ) -> anyhow::Result<Option<(Option<async_nats::HeaderMap>, bytes::Bytes)>> {
+        Ok(match self {
+            Live::Stream(r) => r.next().await?.map(|m| (m.headers, m.payload)),
+            Live::Core(s) => s.next().await.map(|m| (m.headers, m.payload)),
+        })
+    }
 }
 
 pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
@@ -69,26 +272,34 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
                 args.id
             );
         };
-        print_stored(&r)?;
+        print_stored(&r, args.json)?;
         return Ok(exit_for(Some(&r)));
     }
 
-    // Subscribe before looking at the results, so nothing falls between.
-    let mut sub = conn
-        .client
-        .subscribe(conn.names.logs_subject(&args.id))
-        .await
-        .context("cannot subscribe to the live output")?;
+    // Attach before looking at the results, so nothing falls between.
+    let subject = conn.names.logs_subject(&args.id);
+    let mut live = match conn.js.get_stream(logs_stream_name(&conn.names)).await {
+        Ok(s) => Live::Stream(Box::new(
+            OrderedReader::open(&s, vec![subject], DeliverPolicy::All).await?,
+        )),
+        Err(_) => Live::Core(
+            conn.client
+                .subscribe(subject)
+                .await
+                .context("cannot subscribe to the live output")?,
+        ),
+    };
     conn.client.flush().await.context("cannot subscribe")?;
     let since_seq = conn.results_last_seq().await;
     let results = conn.ensure_results().await?;
+    eprintln!("jetworker: following {}", args.id);
     if let Some(r) = conn.last_result(&results, &args.id).await? {
         if r.is_final {
             eprintln!(
                 "jetworker: {} already finished ({}); its stored output:",
                 args.id, r.status
             );
-            print_stored(&r)?;
+            print_stored(&r, args.json)?;
             return Ok(exit_for(Some(&r)));
         }
     }
@@ -110,26 +321,18 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
         })
     };
 
+    let mut p = Printer {
+        id: args.id.clone(),
+        json: args.json,
+        attempt: None,
+    };
     let mut final_result = None;
     loop {
         tokio::select! {
-            m = sub.next() => {
-                let Some(m) = m else { break };
-                let stream = header(m.headers.as_ref(), HEADER_STREAM);
-                match stream.as_deref() {
-                    // A retry follows: keep following the next attempt.
-                    Some("eof") if header(m.headers.as_ref(), HEADER_FINAL).as_deref() == Some("false") => {}
-                    Some("eof") => break,
-                    Some("stderr") => {
-                        let mut e = std::io::stderr().lock();
-                        e.write_all(&m.payload)?;
-                        e.flush()?;
-                    }
-                    _ => {
-                        let mut o = std::io::stdout().lock();
-                        o.write_all(&m.payload)?;
-                        o.flush()?;
-                    }
+            m = live.next() => {
+                let Some((h, payload)) = m? else { break };
+                if p.message(h.as_ref(), &payload)? == Some(true) {
+                    break;
                 }
             }
             r = &mut final_rx, if final_result.is_none() => {
@@ -138,7 +341,13 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
                         final_result = Some(r);
                         // Chunks published just before the result may still
                         // be on their way: take what comes in a moment.
-                        drain(&mut sub, Duration::from_millis(300)).await?;
+                        while let Ok(Ok(Some((h, payload)))) =
+                            tokio::time::timeout(Duration::from_millis(300), live.next()).await
+                        {
+                            if p.message(h.as_ref(), &payload)?.is_some() {
+                                break;
+                            }
+                        }
                         break;
                     }
                     Err(_) => break,
@@ -153,21 +362,8 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
         }
     }
     watcher.abort();
-    Ok(exit_for(final_result.as_ref()))
-}
-
-/// Print chunks that arrive within `quiet` of each other, then stop.
-async fn drain(sub: &mut async_nats::Subscriber, quiet: Duration) -> anyhow::Result<()> {
-    while let Ok(Some(m)) = tokio::time::timeout(quiet, sub.next()).await {
-        match header(m.headers.as_ref(), HEADER_STREAM).as_deref() {
-            Some("eof") => break,
-            Some("stderr") => std::io::stderr().lock().write_all(&m.payload)?,
-            _ => {
-                let mut o = std::io::stdout().lock();
-                o.write_all(&m.payload)?;
-                o.flush()?;
-            }
-        }
+    if let Some(r) = &final_result {
+        p.result(r)?;
     }
-    Ok(())
+    Ok(exit_for(final_result.as_ref()))
 }

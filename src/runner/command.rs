@@ -1,41 +1,77 @@
-//! The `shell` and `command` runners: a child process in its own group, in a
-//! fresh working directory (removed afterwards), with a scrubbed
-//! environment, output captured while it streams, and the whole group
-//! killed on timeout, cancel, or when the main process exits (so that
-//! background children never outlive their attempt).
+//! The `shell` and `command` runners: a child process in its own group and
+//! (where the cgroup tree is writable) its own cgroup, in a fresh working
+//! directory, with a scrubbed environment, output captured while it
+//! streams, and everything it started killed when the attempt ends — on
+//! timeout, cancel, or a normal exit of the main process (DESIGN.md
+//! section 5, "No orphans"; how the process is spawned: [`crate::process`]).
 
 use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use tokio::io::AsyncReadExt;
-use tokio::time::{sleep_until, Instant};
+use tokio::process::{Child, ChildStderr, ChildStdout};
+use tokio::time::Instant;
 
-use super::{timeout_reason, Outcome, RunContext};
-use crate::cgroup::Cgroups;
+use super::supervise::{self, Clock, OutputSource, Supervised};
+use super::{Outcome, RunContext};
+use crate::cgroup::{Cgroups, TaskCgroup};
 use crate::output::{OutputSink, StreamKind};
-use crate::process::{self, ChildLimits, GroupRecords, TaskUser};
+use crate::process::{self, ChildLimits, ChildSetup, GroupJournal, TaskUser};
 use crate::protocol::{Status, TaskKind};
 
 /// How long to keep reading pipes after the group was killed, in case a
 /// process that left the group still holds them.
 const PIPE_DRAIN: Duration = Duration::from_secs(2);
+/// Read buffer per pipe.
+const PIPE_BUF: usize = 16 * 1024;
 
 /// Runs `shell` and `command` tasks.
 pub struct ProcessRunner {
-    /// Shell program and flags (`bash -c`).
-    shell: Vec<String>,
+    /// Shell program (resolved) and flags (`bash -c`).
+    shell: PathBuf,
+    shell_args: Vec<String>,
     /// PATH, LANG and the pass-through variables, read once at start-up.
     base_env: BTreeMap<String, String>,
     user: Option<TaskUser>,
-    /// Where per-task cgroups go, if the tree is writable.
+    /// Where per-attempt cgroups go, if the tree is writable.
     cgroups: Option<Cgroups>,
-    /// Parent of the per-task working directories.
+    /// Spawned process groups, kept only where there are no cgroups.
+    journal: Option<GroupJournal>,
+    /// Parent of the per-attempt working directories.
     work_root: PathBuf,
-    records: GroupRecords,
+    state_dir: PathBuf,
+    /// Makes working directory names unique within this worker.
+    seq: AtomicU64,
+}
+
+/// Where task working directories go when tasks run as another user: a
+/// root of their own, so the worker's state directory stays closed
+/// (`<tmp>/jetworker-work-<worker uid>`, mode 0711, owned by the worker).
+fn separate_work_root() -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let me = nix::unistd::geteuid().as_raw();
+    let root = std::env::temp_dir().join(format!("jetworker-work-{me}"));
+    match std::fs::DirBuilder::new().mode(0o711).create(&root) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    // Someone else may have made it first (a shared /tmp): it must be a
+    // real directory of ours, not a link.
+    let m = std::fs::symlink_metadata(&root)?;
+    if !m.is_dir() || m.uid() != me {
+        return Err(std::io::Error::other(format!(
+            "{} is not a directory owned by uid {me}",
+            root.display()
+        )));
+    }
+    std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o711))?;
+    Ok(root)
 }
 
 impl ProcessRunner {
@@ -43,21 +79,16 @@ impl ProcessRunner {
         shell: Vec<String>,
         pass_env: &[String],
         user: Option<TaskUser>,
-        state_dir: &std::path::Path,
+        state_dir: &Path,
         use_cgroups: bool,
     ) -> std::io::Result<Self> {
-        let work_root = state_dir.join("work");
-        std::fs::create_dir_all(&work_root)?;
-        if user.is_some() {
-            // The task user must be able to reach its own working directory
-            // (owned by it) without reading anything else of the worker's.
-            use std::os::unix::fs::PermissionsExt;
-            for d in [state_dir, work_root.as_path()] {
-                let mut p = std::fs::metadata(d)?.permissions();
-                p.set_mode(p.mode() | 0o111);
-                std::fs::set_permissions(d, p)?;
-            }
-        }
+        let work_root = if user.is_some() {
+            separate_work_root()?
+        } else {
+            let w = state_dir.join("work");
+            std::fs::create_dir_all(&w)?;
+            w
+        };
         let mut base_env = BTreeMap::new();
         base_env.insert(
             "PATH".to_string(),
@@ -72,34 +103,65 @@ impl ProcessRunner {
                 base_env.insert(k.clone(), v);
             }
         }
+        let (shell_prog, shell_args) = shell
+            .split_first()
+            .ok_or_else(|| std::io::Error::other("the shell setting is empty"))?;
+        let shell_path = process::resolve_program(shell_prog, &base_env["PATH"])
+            .map_err(|e| std::io::Error::other(format!("shell: {}", e.message)))?;
         let cgroups = if use_cgroups {
             match Cgroups::detect() {
-                Ok(c) => {
-                    tracing::info!(?c, "per-task cgroups enabled");
-                    Some(c)
-                }
+                Ok(c) => Some(c),
                 Err(why) => {
-                    tracing::info!("per-task cgroups unavailable ({why}); limits use rlimits only");
+                    tracing::info!("per-task cgroups unavailable: {why}");
                     None
                 }
             }
         } else {
             None
         };
+        match &cgroups {
+            Some(c) => tracing::info!(
+                parents = ?c.parents(),
+                "containment: every shell/command attempt runs in its own cgroup, emptied when it ends"
+            ),
+            None => tracing::warn!(
+                "containment without cgroups: an attempt's process group is killed when it ends \
+                 (and by the watchdog or the next start if the worker dies); processes that leave \
+                 the group (setsid, daemonising) are NOT contained, and limits.memory/pids are \
+                 per-process rlimits"
+            ),
+        }
+        std::fs::create_dir_all(state_dir.join("pgroups"))?;
+        let list = process::cgroup_list_path(state_dir);
+        let parents: String = cgroups
+            .iter()
+            .flat_map(|c| c.parents())
+            .map(|p| format!("{}\n", p.display()))
+            .collect();
+        std::fs::write(&list, parents)?;
+        let journal = match cgroups {
+            Some(_) => None,
+            None => Some(GroupJournal::open(state_dir)?),
+        };
         Ok(ProcessRunner {
-            shell,
+            shell: shell_path,
+            shell_args: shell_args.to_vec(),
             base_env,
             user,
             cgroups,
+            journal,
             work_root,
-            records: GroupRecords::new(state_dir)?,
+            state_dir: state_dir.to_path_buf(),
+            seq: AtomicU64::new(0),
         })
     }
 
-    /// Kill process groups (and cgroups) left by an earlier life of this
-    /// worker.
+    /// Kill what earlier lives of a worker on this state directory left
+    /// running: their cgroups, and their recorded process groups whose
+    /// leader still has the recorded start time. How many were killed.
     pub fn reap_orphans(&self) -> usize {
-        self.records.reap_orphans() + self.cgroups.as_ref().map(|c| c.reap_stale()).unwrap_or(0)
+        process::sweep_journals(&self.state_dir)
+            + self.cgroups.as_ref().map(|c| c.reap_stale()).unwrap_or(0)
     }
 
     /// Remove what this runner made outside the state directory.
@@ -107,171 +169,174 @@ impl ProcessRunner {
         if let Some(c) = &self.cgroups {
             c.cleanup();
         }
+        let _ = std::fs::remove_file(process::cgroup_list_path(&self.state_dir));
     }
 
-    pub async fn run(&self, ctx: RunContext) -> Outcome {
-        let workdir = match tempfile::Builder::new()
-            .prefix(&format!("{}-", ctx.task.id))
-            .tempdir_in(&self.work_root)
-        {
-            Ok(d) => d,
-            Err(e) => return Outcome::failed(format!("cannot create working directory: {e}")),
-        };
+    /// A fresh working directory, owned by the task user if there is one.
+    fn make_workdir(&self, ctx: &RunContext) -> std::io::Result<PathBuf> {
+        use std::os::unix::fs::DirBuilderExt;
+        let dir = self.work_root.join(format!(
+            "{}-{}-{}-{}",
+            ctx.task.id,
+            ctx.attempt,
+            std::process::id(),
+            self.seq.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
         if let Some(u) = self.user {
             if let Err(e) = nix::unistd::chown(
-                workdir.path(),
+                &dir,
                 Some(nix::unistd::Uid::from_raw(u.uid)),
                 Some(nix::unistd::Gid::from_raw(u.gid)),
             ) {
-                return Outcome::failed(format!(
-                    "cannot hand the working directory to the task user: {e}"
-                ));
+                let _ = std::fs::remove_dir(&dir);
+                return Err(e.into());
             }
         }
-        let (program, args): (String, Vec<String>) = match &ctx.task.kind {
-            TaskKind::Shell { script } => {
-                let mut a: Vec<String> = self.shell[1..].to_vec();
-                a.push(script.clone());
-                (self.shell[0].clone(), a)
+        Ok(dir)
+    }
+
+    pub async fn run(&self, ctx: RunContext) -> Outcome {
+        let (program, args): (PathBuf, &[String]) = match &ctx.task.kind {
+            TaskKind::Shell { .. } => (self.shell.clone(), &self.shell_args),
+            TaskKind::Command { program, args } => {
+                let path = ctx
+                    .env
+                    .get("PATH")
+                    .unwrap_or_else(|| &self.base_env["PATH"]);
+                match process::resolve_program(program, path) {
+                    Ok(p) => (p, args),
+                    Err(e) if e.permanent => return Outcome::cannot_start(e.message),
+                    Err(e) => return Outcome::failed(e.message),
+                }
             }
-            TaskKind::Command { program, args } => (program.clone(), args.clone()),
             _ => return Outcome::failed("internal error: not a process task"),
         };
-        let mut cmd = tokio::process::Command::new(&program);
-        cmd.args(&args)
-            .env_clear()
+        let workdir = match self.make_workdir(&ctx) {
+            Ok(d) => d,
+            Err(e) => return Outcome::failed(format!("cannot create working directory: {e}")),
+        };
+        let cgroup = match &self.cgroups {
+            Some(c) => match c.acquire(&ctx.task.limits) {
+                Ok(cg) => Some(cg),
+                Err(e) => {
+                    remove_workdir(workdir).await;
+                    return Outcome::failed(format!("cannot create the task's cgroup: {e}"));
+                }
+            },
+            None => None,
+        };
+        let outcome = self
+            .run_in(&ctx, &program, args, &workdir, cgroup.as_ref())
+            .await;
+        if let (Some(c), Some(cg)) = (&self.cgroups, cgroup) {
+            c.release(cg).await;
+        }
+        remove_workdir(workdir).await;
+        outcome
+    }
+
+    async fn run_in(
+        &self,
+        ctx: &RunContext,
+        program: &Path,
+        args: &[String],
+        workdir: &Path,
+        cgroup: Option<&TaskCgroup>,
+    ) -> Outcome {
+        let mut cmd = tokio::process::Command::new(program);
+        cmd.args(args);
+        if let TaskKind::Shell { script } = &ctx.task.kind {
+            cmd.arg(script);
+        }
+        cmd.env_clear()
             .envs(&self.base_env)
-            .env("HOME", workdir.path())
-            .env("TMPDIR", workdir.path())
+            .env("HOME", workdir)
+            .env("TMPDIR", workdir)
             .envs(&ctx.env)
-            .current_dir(workdir.path())
+            .current_dir(workdir)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
         let mut limits = ChildLimits::from(&ctx.task.limits);
-        let cgroup = match &self.cgroups {
-            Some(c) if Cgroups::wanted(&ctx.task.limits) => {
-                let name = format!("{}-{}-{}", ctx.task.id, ctx.attempt, std::process::id());
-                match c.create(&name, &ctx.task.limits) {
-                    Ok(cg) => Some(cg),
-                    Err(e) => {
-                        return Outcome::failed(format!("cannot create the task's cgroup: {e}"))
-                    }
-                }
-            }
-            _ => None,
-        };
         if cgroup.is_some() {
             // The cgroup bounds the whole tree; per-process rlimits would only
             // get in the way (RLIMIT_AS breaks runtimes that reserve memory).
             limits.memory = None;
             limits.pids = None;
         }
-        let join = cgroup.as_ref().map(|c| c.join_files()).unwrap_or_default();
-        process::configure(&mut cmd, self.user, limits, join);
+        let setup = ChildSetup {
+            user: self.user,
+            limits,
+            join: cgroup.map(|c| c.join_files()).unwrap_or_default(),
+        };
+        process::configure(&mut cmd, setup);
 
-        let mut child = match cmd.spawn() {
+        let spawned = match (&self.cgroups, cgroup) {
+            (Some(c), Some(cg)) => c.spawn_inside(cg, || cmd.spawn()).and_then(|r| r),
+            _ => cmd.spawn(),
+        };
+        let mut child = match spawned {
             Ok(c) => c,
-            Err(e) => {
-                if let Some(cg) = &cgroup {
-                    cg.remove();
-                }
-                return Outcome::failed(format!("cannot start `{program}`: {e}"));
+            Err(e) if process::permanent_exec_error(&e) => {
+                return Outcome::cannot_start(format!("cannot start `{}`: {e}", program.display()))
             }
+            Err(e) => return Outcome::failed(format!("cannot start `{}`: {e}", program.display())),
         };
         let pgid = child.id().unwrap_or(0);
-        if pgid > 0 {
-            self.records.add(pgid, &ctx.task.id);
+        if let Some(j) = &self.journal {
+            j.started(pgid);
         }
-        let mut sink = OutputSink::new(ctx.output_cap, ctx.live.clone());
-        let mut stdout = child.stdout.take();
-        let mut stderr = child.stderr.take();
-        let mut obuf = vec![0u8; 64 * 1024];
-        let mut ebuf = vec![0u8; 64 * 1024];
-
-        let start = Instant::now();
-        let deadline = start + ctx.timeout;
-        // "Whole attempt, kill included": the polite signal comes early
-        // enough that the kill still lands within the timeout.
-        let grace = ctx.kill_grace.min(ctx.timeout / 10);
-        let term_at = deadline - grace;
-        let mut timed_out = false;
-        let mut stopped = false;
-        let mut kill_at: Option<Instant> = None;
-        let mut killed = false;
-        let mut status = None;
-        let mut drain_until: Option<Instant> = None;
-        let far = start + Duration::from_secs(10 * 365 * 24 * 3600);
-
-        loop {
-            if status.is_some() && stdout.is_none() && stderr.is_none() {
-                break;
-            }
-            tokio::select! {
-                r = read_some(&mut stdout, &mut obuf), if stdout.is_some() => match r {
-                    Some(n) => sink.push(StreamKind::Stdout, &obuf[..n]).await,
-                    None => stdout = None,
-                },
-                r = read_some(&mut stderr, &mut ebuf), if stderr.is_some() => match r {
-                    Some(n) => sink.push(StreamKind::Stderr, &ebuf[..n]).await,
-                    None => stderr = None,
-                },
-                st = child.wait(), if status.is_none() => {
-                    status = Some(st);
-                    // Background children die with the attempt.
-                    if pgid > 0 {
-                        process::signal_group(pgid, Signal::SIGKILL);
-                    }
-                    drain_until = Some(Instant::now() + PIPE_DRAIN);
-                }
-                _ = sleep_until(term_at), if status.is_none() && !timed_out && !stopped => {
-                    timed_out = true;
-                    process::signal_group(pgid, Signal::SIGTERM);
-                    kill_at = Some(deadline);
-                }
-                _ = ctx.stop.fired(), if status.is_none() && !stopped && !timed_out => {
-                    stopped = true;
-                    process::signal_group(pgid, Signal::SIGTERM);
-                    kill_at = Some(Instant::now() + ctx.kill_grace);
-                }
-                _ = sleep_until(kill_at.unwrap_or(far)), if kill_at.is_some() && !killed && status.is_none() => {
-                    killed = true;
-                    process::signal_group(pgid, Signal::SIGKILL);
-                    let _ = child.start_kill();
-                }
-                _ = sleep_until(drain_until.unwrap_or(far)), if drain_until.is_some() => {
-                    stdout = None;
-                    stderr = None;
-                }
-            }
-        }
-        if pgid > 0 {
-            self.records.remove(pgid);
-        }
-        let oom = match &cgroup {
-            Some(cg) => {
-                cg.kill_all();
-                let oom = cg.oom_killed();
-                cg.remove();
-                oom
-            }
-            None => false,
+        let mut pipes = Pipes {
+            stdout: child.stdout.take(),
+            stderr: child.stderr.take(),
+            obuf: vec![0u8; PIPE_BUF],
+            ebuf: vec![0u8; PIPE_BUF],
         };
-        drop(workdir);
+        let mut sink = OutputSink::new(ctx.output_cap, ctx.live.clone(), ctx.attempt);
+        let mut target = Group {
+            child,
+            pgid,
+            cgroup,
+        };
+        let deadline = Instant::now() + ctx.timeout;
+        let sup = supervise::supervise(
+            &mut target,
+            &mut pipes,
+            &mut sink,
+            ctx,
+            deadline,
+            Clock {
+                drain: PIPE_DRAIN,
+                kill_confirm: None,
+                what: "the process",
+            },
+        )
+        .await;
+        // Whatever is left of the group dies with the attempt.
+        process::signal_group(pgid, Signal::SIGKILL);
+        if let Some(j) = &self.journal {
+            j.ended(pgid);
+        }
+        let oom = match cgroup {
+            Some(cg) if ctx.task.limits.memory.is_some() => {
+                cg.empty().await;
+                cg.oom_killed()
+            }
+            _ => false,
+        };
+        let output = sink.finish().await;
 
-        let output = sink.finish();
-        let (exit_code, signal) = match &status {
+        let (exit_code, signal) = match &sup.exit {
             Some(Ok(s)) => (s.code(), s.signal()),
             _ => (None, None),
         };
         let signal_name = signal.map(process::signal_name);
-        let (status, error) = if stopped {
-            (Status::Cancelled, Some(ctx.stop.reason_text()))
-        } else if timed_out {
-            (Status::Timeout, Some(timeout_reason(ctx.timeout)))
+        let (status, error) = if let Some((status, reason)) = sup.stopped_by_clock(ctx) {
+            (status, Some(reason))
         } else {
-            match &status {
+            match &sup.exit {
                 Some(Ok(s)) if s.success() => (Status::Success, None),
                 Some(Ok(_)) if oom => (
                     Status::Failed,
@@ -285,10 +350,7 @@ impl ProcessRunner {
                     Status::Failed,
                     Some(failure_reason(exit_code, signal, &limits)),
                 ),
-                Some(Err(e)) => (
-                    Status::Failed,
-                    Some(format!("cannot wait for the process: {e}")),
-                ),
+                Some(Err(e)) => (Status::Failed, Some(e.clone())),
                 None => (Status::Failed, Some("process state unknown".into())),
             }
         };
@@ -299,7 +361,84 @@ impl ProcessRunner {
             http_status: None,
             output,
             error,
+            permanent: false,
         }
+    }
+}
+
+/// Remove a working directory: one `rmdir` when the task left nothing,
+/// the tree walk (off the runtime threads) only when it did.
+async fn remove_workdir(dir: PathBuf) {
+    match std::fs::remove_dir(&dir) {
+        Ok(()) => {}
+        Err(e)
+            if e.raw_os_error() == Some(libc::ENOTEMPTY)
+                || e.raw_os_error() == Some(libc::EEXIST) =>
+        {
+            let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&dir)).await;
+        }
+        Err(e) => tracing::debug!(dir = %dir.display(), "cannot remove working directory: {e}"),
+    }
+}
+
+/// The task's process group, for the supervision clock.
+struct Group<'a> {
+    child: Child,
+    pgid: u32,
+    cgroup: Option<&'a TaskCgroup>,
+}
+
+impl Supervised for Group<'_> {
+    type Exit = std::process::ExitStatus;
+    async fn wait(&mut self) -> Result<std::process::ExitStatus, String> {
+        let r = self
+            .child
+            .wait()
+            .await
+            .map_err(|e| format!("cannot wait for the process: {e}"));
+        // Background children die with the attempt, escapees too.
+        process::signal_group(self.pgid, Signal::SIGKILL);
+        if let Some(cg) = self.cgroup {
+            cg.kill_now();
+        }
+        r
+    }
+    fn term(&mut self, _grace: Duration) {
+        process::signal_group(self.pgid, Signal::SIGTERM);
+    }
+    async fn kill(&mut self) {
+        process::signal_group(self.pgid, Signal::SIGKILL);
+        if let Some(cg) = self.cgroup {
+            cg.kill_now();
+        }
+        let _ = self.child.start_kill();
+    }
+}
+
+/// The task's stdout and stderr pipes.
+struct Pipes {
+    stdout: Option<ChildStdout>,
+    stderr: Option<ChildStderr>,
+    obuf: Vec<u8>,
+    ebuf: Vec<u8>,
+}
+
+impl OutputSource for Pipes {
+    async fn read_into(&mut self, sink: &mut OutputSink) -> bool {
+        if self.stdout.is_none() && self.stderr.is_none() {
+            return false;
+        }
+        tokio::select! {
+            r = read_some(&mut self.stdout, &mut self.obuf) => match r {
+                Some(n) => sink.push(StreamKind::Stdout, &self.obuf[..n]),
+                None => self.stdout = None,
+            },
+            r = read_some(&mut self.stderr, &mut self.ebuf) => match r {
+                Some(n) => sink.push(StreamKind::Stderr, &self.ebuf[..n]),
+                None => self.stderr = None,
+            },
+        }
+        true
     }
 }
 

@@ -47,6 +47,7 @@ use futures::Stream;
 use futures::StreamExt;
 use tokio::time::{sleep_until, timeout, Instant};
 
+use super::supervise::{Clock, OutputSource, Supervised};
 use super::{timeout_reason, Outcome, RunContext};
 use crate::output::{Captured, OutputSink, StreamKind};
 use crate::protocol::{format_size, ContainerSpec, PullPolicy, Status, TaskKind};
@@ -389,7 +390,7 @@ impl ContainerRunner {
             name: name.clone(),
             armed: true,
         };
-        let mut sink = OutputSink::new(ctx.output_cap, ctx.live.clone());
+        let sink = OutputSink::new(ctx.output_cap, ctx.live.clone(), ctx.attempt);
         let early = |status, error| Outcome {
             status,
             exit_code: None,
@@ -397,6 +398,7 @@ impl ContainerRunner {
             http_status: None,
             output: Captured::default(),
             error: Some(error),
+            permanent: false,
         };
 
         // The image: a pull can take long and holds nothing to clean up, so
@@ -417,9 +419,7 @@ impl ContainerRunner {
         // meanwhile is handled by `supervise` as soon as the container runs.
         let started = timeout(START_TIMEOUT, self.start(&docker, spec, &ctx, &name)).await;
         let outcome = match started {
-            Ok(Ok(output)) => {
-                supervise(&docker, &name, output, spec, &ctx, deadline, &mut sink).await
-            }
+            Ok(Ok(output)) => supervise(&docker, &name, output, spec, &ctx, deadline, sink).await,
             Ok(Err(error)) => early(Status::Failed, error),
             Err(_) => {
                 // Requests were abandoned: the container may appear late.
@@ -668,7 +668,63 @@ fn with_default_tag(image: &str) -> String {
     }
 }
 
-/// From start to exit: output into the sink, exit status, timeout, stop.
+/// The container's output, for the supervision clock.
+struct Logs(OutputStream, String);
+
+impl OutputSource for Logs {
+    async fn read_into(&mut self, sink: &mut OutputSink) -> bool {
+        match self.0.next().await {
+            Some(Ok(LogOutput::StdOut { message })) | Some(Ok(LogOutput::Console { message })) => {
+                sink.push(StreamKind::Stdout, &message)
+            }
+            Some(Ok(LogOutput::StdErr { message })) => sink.push(StreamKind::Stderr, &message),
+            Some(Ok(LogOutput::StdIn { .. })) => {}
+            Some(Err(e)) => {
+                tracing::warn!(container = %self.1, "output stream failed: {}", docker_error(&e));
+                return false;
+            }
+            None => return false,
+        }
+        true
+    }
+}
+
+/// A running container, for the supervision clock: its exit code.
+struct Running<'a, W> {
+    docker: &'a Docker,
+    name: &'a str,
+    wait: std::pin::Pin<&'a mut W>,
+}
+
+impl<W> Supervised for Running<'_, W>
+where
+    W: futures::Stream<Item = Result<bollard::models::ContainerWaitResponse, DockerError>>,
+{
+    type Exit = i64;
+    async fn wait(&mut self) -> Result<i64, String> {
+        match self.wait.next().await {
+            Some(Ok(r)) => Ok(r.status_code),
+            Some(Err(DockerError::DockerContainerWaitError { code, .. })) => Ok(code),
+            Some(Err(e)) => Err(format!("lost track of the container: {}", docker_error(&e))),
+            None => Err("lost track of the container: the wait ended without a status".into()),
+        }
+    }
+    fn term(&mut self, grace: Duration) {
+        polite_stop(self.docker, self.name, grace);
+    }
+    async fn kill(&mut self) {
+        let _ = self
+            .docker
+            .kill_container(
+                self.name,
+                Some(KillContainerOptionsBuilder::new().signal("SIGKILL").build()),
+            )
+            .await;
+    }
+}
+
+/// From start to exit: output into the sink, exit status, timeout, stop
+/// (the shared clock, [`super::supervise`]), then the OOM check.
 async fn supervise(
     docker: &Docker,
     name: &str,
@@ -676,7 +732,7 @@ async fn supervise(
     spec: &ContainerSpec,
     ctx: &RunContext,
     deadline: Instant,
-    sink: &mut OutputSink,
+    mut sink: OutputSink,
 ) -> Outcome {
     let wait = docker.wait_container(
         name,
@@ -686,78 +742,25 @@ async fn supervise(
                 .build(),
         ),
     );
-    let mut logs = logs;
-    let mut wait = std::pin::pin!(wait);
-
-    // "Whole attempt, kill included": the polite stop comes early enough
-    // that the kill still lands within the timeout.
-    let grace = ctx.kill_grace.min(ctx.timeout / 10);
-    let term_at = deadline - grace;
-    let far = deadline + Duration::from_secs(10 * 365 * 24 * 3600);
-    let mut timed_out = false;
-    let mut stopped = false;
-    let mut kill_at: Option<Instant> = None;
-    let mut killed = false;
-    let mut give_up_at: Option<Instant> = None;
-    let mut exited: Option<Result<i64, String>> = None;
-    let mut logs_done = false;
-    let mut drain_until: Option<Instant> = None;
-
-    loop {
-        if exited.is_some() && logs_done {
-            break;
-        }
-        tokio::select! {
-            item = logs.next(), if !logs_done => match item {
-                Some(Ok(LogOutput::StdOut { message })) | Some(Ok(LogOutput::Console { message })) => {
-                    sink.push(StreamKind::Stdout, &message).await
-                }
-                Some(Ok(LogOutput::StdErr { message })) => sink.push(StreamKind::Stderr, &message).await,
-                Some(Ok(LogOutput::StdIn { .. })) => {}
-                Some(Err(e)) => {
-                    tracing::warn!(container = %name, "output stream failed: {}", docker_error(&e));
-                    logs_done = true;
-                }
-                None => logs_done = true,
-            },
-            w = wait.next(), if exited.is_none() => {
-                exited = Some(match w {
-                    Some(Ok(r)) => Ok(r.status_code),
-                    Some(Err(DockerError::DockerContainerWaitError { code, .. })) => Ok(code),
-                    Some(Err(e)) => Err(format!("lost track of the container: {}", docker_error(&e))),
-                    None => Err("lost track of the container: the wait ended without a status".into()),
-                });
-                drain_until = Some(Instant::now() + LOG_DRAIN);
-            }
-            _ = sleep_until(term_at), if exited.is_none() && !timed_out && !stopped => {
-                timed_out = true;
-                polite_stop(docker, name, grace);
-                kill_at = Some(deadline);
-            }
-            _ = ctx.stop.fired(), if exited.is_none() && !stopped && !timed_out => {
-                stopped = true;
-                polite_stop(docker, name, ctx.kill_grace);
-                kill_at = Some(Instant::now() + ctx.kill_grace);
-            }
-            _ = sleep_until(kill_at.unwrap_or(far)), if kill_at.is_some() && !killed && exited.is_none() => {
-                killed = true;
-                let _ = docker
-                    .kill_container(name, Some(KillContainerOptionsBuilder::new().signal("SIGKILL").build()))
-                    .await;
-                give_up_at = Some(Instant::now() + KILL_CONFIRM);
-            }
-            _ = sleep_until(give_up_at.unwrap_or(far)), if give_up_at.is_some() && exited.is_none() => {
-                exited = Some(Err(format!(
-                    "the container did not stop within {} of SIGKILL",
-                    humantime::format_duration(KILL_CONFIRM)
-                )));
-                logs_done = true;
-            }
-            _ = sleep_until(drain_until.unwrap_or(far)), if drain_until.is_some() && !logs_done => {
-                logs_done = true;
-            }
-        }
-    }
+    let wait = std::pin::pin!(wait);
+    let mut running = Running { docker, name, wait };
+    let mut logs = Logs(logs, name.to_string());
+    let sup = super::supervise::supervise(
+        &mut running,
+        &mut logs,
+        &mut sink,
+        ctx,
+        deadline,
+        Clock {
+            drain: LOG_DRAIN,
+            kill_confirm: Some(KILL_CONFIRM),
+            what: "the container",
+        },
+    )
+    .await;
+    let by_clock = sup.stopped_by_clock(ctx);
+    let (stopped, timed_out) = (sup.stopped, sup.timed_out);
+    let exited = sup.exit;
 
     let exit_code = match &exited {
         Some(Ok(c)) => i32::try_from(*c).ok(),
@@ -783,10 +786,8 @@ async fn supervise(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let (status, error) = if stopped {
-        (Status::Cancelled, Some(ctx.stop.reason_text()))
-    } else if timed_out {
-        (Status::Timeout, Some(timeout_reason(ctx.timeout)))
+    let (status, error) = if let Some((status, reason)) = by_clock {
+        (status, Some(reason))
     } else {
         match exited {
             Some(Ok(_)) if oom_killed => (Status::Failed, Some(oom_reason(exit_code, spec.memory))),
@@ -810,8 +811,9 @@ async fn supervise(
         exit_code,
         signal: None,
         http_status: None,
-        output: sink.finish(),
+        output: sink.finish().await,
         error,
+        permanent: false,
     }
 }
 

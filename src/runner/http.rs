@@ -102,7 +102,7 @@ impl HttpRunner {
         };
 
         let deadline = Instant::now() + ctx.timeout;
-        let mut sink = OutputSink::new(ctx.output_cap, ctx.live.clone());
+        let mut sink = OutputSink::new(ctx.output_cap, ctx.live.clone(), ctx.attempt);
         let mut http_status: Option<u16> = None;
         let exchange = exchange(&self.client, request, spec, &mut sink, &mut http_status);
         let (status, error) = tokio::select! {
@@ -118,7 +118,8 @@ impl HttpRunner {
             exit_code: None,
             signal: None,
             http_status,
-            output: sink.finish(),
+            output: sink.finish().await,
+            permanent: false,
             error,
         }
     }
@@ -188,7 +189,7 @@ async fn exchange(
         .await
         .map_err(|e| format!("reading the response body failed: {}", causes(&e)))?
     {
-        sink.push(StreamKind::Stdout, &chunk).await;
+        sink.push(StreamKind::Stdout, &chunk);
     }
     let (low, high) = spec.success;
     if (low..=high).contains(&status.as_u16()) {

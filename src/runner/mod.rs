@@ -4,11 +4,13 @@
 //! errors out: every failure is an outcome with a reason.
 //!
 //! Runners enforce the timeout and the stop signal themselves, because how
-//! to stop differs (a process group, a container).
+//! to stop differs (a process group, a container); the process and
+//! container runners share one clock for it ([`supervise`]).
 
 pub mod command;
 pub mod container;
 pub mod http;
+mod supervise;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
@@ -106,6 +108,9 @@ pub struct Outcome {
     pub http_status: Option<u16>,
     pub output: Captured,
     pub error: Option<String>,
+    /// The attempt can never succeed on retry (the program does not exist
+    /// or cannot be executed): the worker makes the result final at once.
+    pub permanent: bool,
 }
 
 impl Outcome {
@@ -118,6 +123,15 @@ impl Outcome {
             http_status: None,
             output: Captured::default(),
             error: Some(error.into()),
+            permanent: false,
+        }
+    }
+
+    /// A program that can never start: final at once, no retries.
+    pub fn cannot_start(error: impl Into<String>) -> Self {
+        Outcome {
+            permanent: true,
+            ..Outcome::failed(format!("{} (not retried)", error.into()))
         }
     }
 }

@@ -418,7 +418,7 @@ async fn run(
         .output
         .map(|o| o.min(sh.output_cap))
         .unwrap_or(sh.output_cap);
-    let live = LiveOutput::new(sh.client.clone(), sh.names.logs_subject(&task.id));
+    let live = LiveOutput::new(sh.live_client.clone(), sh.names.logs_subject(&task.id));
     let ctx = RunContext {
         task: task.clone(),
         attempt,
@@ -464,7 +464,9 @@ async fn run(
             Answer::LeaveUnanswered
         }
         (Status::Success, _) | (Status::Cancelled, _) => Answer::Ack,
-        (Status::Failed | Status::Timeout, _) if attempt < task.retry.max_attempts => {
+        (Status::Failed | Status::Timeout, _)
+            if attempt < task.retry.max_attempts && !outcome.permanent =>
+        {
             let delay = task.retry.delay_after(attempt);
             r.is_final = false;
             r.retry_in_ms = Some(delay.as_millis() as u64);

@@ -83,6 +83,9 @@ pub struct Shared {
     pub id: String,
     pub hostname: String,
     pub client: async_nats::Client,
+    /// A second connection for live output (`logs.<id>`), so a chatty task
+    /// can never delay progress acks and results on `client`.
+    pub live_client: async_nats::Client,
     pub js: jetstream::Context,
     pub names: Names,
     pub infra: Infra,
@@ -207,6 +210,7 @@ fn random_suffix() -> String {
 /// restart. Transient broker trouble at start (JetStream not ready, API
 /// timeouts, no responders) is retried here with backoff, not returned.
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    crate::process::protect_secrets();
     let id = format!("{}-{}", cfg.name, random_suffix());
     let hostname = hostname::get()
         .ok()
@@ -308,6 +312,13 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         }
     }
 
+    let live_client = crate::connect::connect_worker(
+        &cfg.connect,
+        &format!("{id}-live"),
+        cfg.ack_wait,
+        Arc::new(|_| {}),
+    )
+    .await?;
     let max_payload = client.server_info().max_payload;
     let output_cap = cfg
         .output_cap
@@ -328,6 +339,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         id: id.clone(),
         hostname,
         client: client.clone(),
+        live_client,
         js,
         names,
         infra,
@@ -480,6 +492,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         warn!("could not delete the heartbeat key ({e}); it expires after offline_after");
     }
     let _ = tokio::time::timeout(wait, client.flush()).await;
+    let _ = tokio::time::timeout(wait, sh.live_client.flush()).await;
     sh.watchdog.lock().unwrap().take();
     sh.runners.process.cleanup();
     info!(worker_id = %sh.id, "worker stopped");
@@ -595,9 +608,11 @@ async fn pull_loop(
 ) {
     let mut failures = 0u32;
     loop {
+        // Shutdown first: with a free slot, both branches are ready.
         let first = tokio::select! {
-            p = sem.clone().acquire_owned() => p.expect("semaphore open"),
+            biased;
             _ = sh.shutdown.cancelled() => return,
+            p = sem.clone().acquire_owned() => p.expect("semaphore open"),
         };
         let mut permits = vec![first];
         while permits.len() < per_pull {

@@ -13,7 +13,7 @@
 //! - I2 (chain rule): a result of attempt n by W follows `running{n, W}`;
 //!   a `queued{n-1, W}` follows `running{n, W}`; `running{n}` follows
 //!   nothing (n = 1), a non-final result or `queued` of attempt n − 1, or
-//!   `running{n−1}` of the same message (takeover); a final `dead`,
+//!   `running{n−1}` (a takeover, by any message with the id); a final `dead`,
 //!   `rejected` or `cancelled` (before start) follows any non-final state or
 //!   nothing; and every run a task script logged has its `running` claim;
 //! - I3: no overlap seen by the flock;
@@ -153,10 +153,9 @@ pub(crate) fn check_chain(id: &str, recs: &[Rec], v: &mut Violations) {
                 !r.is_final
                     && match prev {
                         None => r.attempt == 1,
-                        // Takeover of the same message after a lost lease.
-                        Some(p) if p.status == "running" => {
-                            p.attempt + 1 == r.attempt && same_message(p.task_seq, r.task_seq)
-                        }
+                        // Takeover of a claim whose holder went offline,
+                        // by any message with the id (DESIGN.md section 5).
+                        Some(p) if p.status == "running" => p.attempt + 1 == r.attempt,
                         Some(p) => !p.is_final && p.attempt + 1 == r.attempt,
                     }
             }
@@ -753,6 +752,18 @@ mod checker {
                 rec(2, "running", false, 2, "b"),
                 rec(3, "success", true, 2, "b"),
             ],
+            // The holder went offline: a duplicate message takes over.
+            vec![
+                rec(1, "running", false, 1, "a"),
+                Rec {
+                    task_seq: Some(8),
+                    ..rec(2, "running", false, 2, "b")
+                },
+                Rec {
+                    task_seq: Some(8),
+                    ..rec(3, "success", true, 2, "b")
+                },
+            ],
             // Handed back at shutdown.
             vec![
                 rec(1, "running", false, 1, "a"),
@@ -821,8 +832,8 @@ mod checker {
             rec(3, "running", false, 4, "b"),
         ]);
         assert_eq!(v.i2.len(), 2, "{}", v.report());
-        // A takeover by another message (a duplicate must wait instead).
-        let mut other = rec(2, "running", false, 2, "b");
+        // A result that does not belong to the claim's message.
+        let mut other = rec(2, "success", true, 1, "a");
         other.task_seq = Some(8);
         let v = violations(&[rec(1, "running", false, 1, "a"), other]);
         assert_eq!(v.i2.len(), 1, "{}", v.report());

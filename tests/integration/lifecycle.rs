@@ -549,9 +549,12 @@ async fn a_shutdown_hand_back_is_claimed_again_and_finishes() {
         "default",
         &shell(
             "handback",
+            // The first copy outlasts the drain (pull wait + 1 s) whatever
+            // the load; the second ends at once.
             &format!(
-                "echo \"$$ $ATTEMPT\" >> {}; sleep 3; echo done",
-                runs.display()
+                "echo \"$$ $ATTEMPT\" >> {r}; if mkdir {m} 2>/dev/null; then sleep 30; fi; echo done",
+                r = runs.display(),
+                m = dir.path().join("first").display()
             ),
         ),
     )

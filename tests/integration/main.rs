@@ -8,6 +8,7 @@ mod cluster;
 mod cluster_util;
 mod compose;
 mod container;
+mod containment;
 mod core;
 mod faults;
 mod history;
