@@ -381,16 +381,7 @@ impl LiveFeed {
             self.skipped += data.len() as u64;
             return;
         }
-        if self.tx.is_none() {
-            let (tx, rx) = tokio::sync::mpsc::channel(LIVE_QUEUE);
-            self.task = Some(tokio::spawn(publish_live(
-                self.live.clone(),
-                self.attempt,
-                rx,
-            )));
-            self.tx = Some(tx);
-        }
-        let tx = self.tx.as_ref().expect("publisher started");
+        let tx = self.sender().clone();
         if self.skipped > 0 && tx.try_send(LiveMsg::Skipped(self.skipped)).is_ok() {
             self.skipped = 0;
         }
@@ -400,22 +391,22 @@ impl LiveFeed {
         }
     }
 
+    /// The channel to this attempt's publisher, started on first use.
+    fn sender(&mut self) -> &tokio::sync::mpsc::Sender<LiveMsg> {
+        let (live, attempt, task) = (&self.live, self.attempt, &mut self.task);
+        self.tx.get_or_insert_with(|| {
+            let (tx, rx) = tokio::sync::mpsc::channel(LIVE_QUEUE);
+            *task = Some(tokio::spawn(publish_live(live.clone(), attempt, rx)));
+            tx
+        })
+    }
+
     /// Flush, say what was skipped, and wait until everything is handed to
     /// the client (so the worker's `eof` comes after it).
     async fn finish(mut self) {
         if self.skipped > 0 {
-            if self.tx.is_none() {
-                let (tx, rx) = tokio::sync::mpsc::channel(LIVE_QUEUE);
-                self.task = Some(tokio::spawn(publish_live(
-                    self.live.clone(),
-                    self.attempt,
-                    rx,
-                )));
-                self.tx = Some(tx);
-            }
-            if let Some(tx) = &self.tx {
-                let _ = tx.send(LiveMsg::Skipped(self.skipped)).await;
-            }
+            let skipped = self.skipped;
+            let _ = self.sender().send(LiveMsg::Skipped(skipped)).await;
         }
         drop(self.tx.take());
         if let Some(t) = self.task.take() {
