@@ -155,9 +155,30 @@ impl Shared {
         })
     }
 
-    /// Create the streams and buckets again (one was deleted under us).
+    /// Create the streams and buckets again if one was deleted under us.
+    /// "No stream for the subject" is also what a cluster answers while a
+    /// stream elects its leader, so nothing is created unless the server
+    /// confirms that a stream is gone (error 10059): a transient answer is
+    /// left to the caller's retry.
     async fn recreate_streams(&self) -> anyhow::Result<()> {
-        setup::ensure_all(&self.js, &self.names, &setup_options(&self.cfg)).await?;
+        use async_nats::jetstream::context::GetStreamErrorKind;
+        let mut missing = false;
+        for name in [
+            &self.names.tasks_stream,
+            &self.names.results_stream,
+            &self.names.dead_stream,
+        ] {
+            if let Err(e) = self.js.get_stream(name).await {
+                if matches!(e.kind(), GetStreamErrorKind::JetStream(ref j)
+                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+                {
+                    missing = true;
+                }
+            }
+        }
+        if missing {
+            setup::ensure_all(&self.js, &self.names, &setup_options(&self.cfg)).await?;
+        }
         Ok(())
     }
 }

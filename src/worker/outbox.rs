@@ -187,7 +187,7 @@ pub(crate) async fn deliver(sh: &Shared, entry: &Entry, mut file: Option<PathBuf
             }
             PublishFailure::NoStream if !recreated && sh.conn.is_connected() => {
                 recreated = true;
-                warn!(subject = %entry.subject, "no stream takes the subject; recreating the streams");
+                debug!(subject = %entry.subject, "no stream takes the subject; recreating the streams if one is gone");
                 if let Err(e) = sh.recreate_streams().await {
                     warn!("cannot recreate the streams: {e:#}");
                 }
