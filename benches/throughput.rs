@@ -368,7 +368,9 @@ async fn wiretap(client: &async_nats::Client) -> (Arc<std::sync::Mutex<Tap>>, Ca
             let mut t = t.lock().unwrap();
             if subj.starts_with("results.") {
                 t.result_writes += 1;
-            } else if subj.starts_with("$JS.API.DIRECT.GET.RESULTS") {
+            } else if subj.starts_with("$JS.API.DIRECT.GET.RESULTS")
+                || subj.starts_with("$JS.API.STREAM.MSG.GET.RESULTS")
+            {
                 t.result_reads += 1;
             } else if subj.starts_with("$JS.ACK.TASKS.") {
                 if m.payload.starts_with(b"+WPI") {

@@ -8,7 +8,6 @@
 //! state is refused, and a stale writer (a fenced worker, an old outbox
 //! entry) can never overwrite a newer state.
 
-use async_nats::jetstream::stream::DirectGetErrorKind;
 use bytes::Bytes;
 
 use super::outbox::Entry;
@@ -34,12 +33,17 @@ impl Last {
     }
 }
 
-/// The last message on `subject` (`None`: nothing there yet).
+/// The last message on `subject` (`None`: nothing there yet). Read from
+/// the stream leader (`STREAM.MSG.GET`), not with a direct get: on a
+/// replicated stream a direct get may be answered by a follower that lags,
+/// and a stale `running` claim would be taken for the current state (a
+/// finished task adopted and run again).
 pub(crate) async fn read_last_raw(sh: &Shared, subject: &str) -> anyhow::Result<Option<Last>> {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
     match sh
         .infra
         .results
-        .direct_get_last_for_subject(subject.to_string())
+        .get_last_raw_message_by_subject(subject)
         .await
     {
         Ok(m) => Ok(Some(Last {
@@ -50,7 +54,7 @@ pub(crate) async fn read_last_raw(sh: &Shared, subject: &str) -> anyhow::Result<
             ),
             record: serde_json::from_slice(&m.payload).ok(),
         })),
-        Err(e) if e.kind() == DirectGetErrorKind::NotFound => Ok(None),
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
         Err(e) => Err(anyhow::anyhow!("reading {subject}: {e}")),
     }
 }
