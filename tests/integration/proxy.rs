@@ -192,20 +192,28 @@ fn accept_loop(listener: TcpListener, upstream: u16, st: Arc<State>) {
 
 /// Copy `from` → `to` while the mode allows; end (closing both sides) on
 /// EOF, an error, a cut or the proxy's drop.
+/// Hold still while blackholed (nothing read, nothing closed); false once
+/// the link is cut or the proxy stops.
+fn hold_while_blackholed(st: &State) -> bool {
+    loop {
+        if st.stop.load(Ordering::SeqCst) {
+            return false;
+        }
+        match st.mode() {
+            Mode::Pass => return true,
+            Mode::Cut => return false,
+            Mode::Blackhole => std::thread::sleep(POLL),
+        }
+    }
+}
+
 fn pump(mut from: TcpStream, mut to: TcpStream, id: u64, st: Arc<State>) {
     let _ = from.set_read_timeout(Some(POLL));
     let mut buf = vec![0u8; 64 * 1024];
     'outer: loop {
         // Hold still while blackholed: nothing read, nothing closed.
-        loop {
-            if st.stop.load(Ordering::SeqCst) {
-                break 'outer;
-            }
-            match st.mode() {
-                Mode::Pass => break,
-                Mode::Cut => break 'outer,
-                Mode::Blackhole => std::thread::sleep(POLL),
-            }
+        if !hold_while_blackholed(&st) {
+            break 'outer;
         }
         let n = match from.read(&mut buf) {
             Ok(0) => break,
@@ -214,15 +222,8 @@ fn pump(mut from: TcpStream, mut to: TcpStream, id: u64, st: Arc<State>) {
             Err(_) => break,
         };
         // Bytes read just before a blackhole wait for the link to return.
-        loop {
-            if st.stop.load(Ordering::SeqCst) {
-                break 'outer;
-            }
-            match st.mode() {
-                Mode::Pass => break,
-                Mode::Cut => break 'outer,
-                Mode::Blackhole => std::thread::sleep(POLL),
-            }
+        if !hold_while_blackholed(&st) {
+            break 'outer;
         }
         if to.write_all(&buf[..n]).is_err() {
             break;
