@@ -32,9 +32,18 @@ RUN apt-get update \
 COPY --from=build /usr/local/bin/jetworker /usr/local/bin/jetworker
 
 ENV LANG=C.UTF-8 \
-    JETWORKER_STATE_DIR=/var/lib/jetworker
+    JETWORKER_STATE_DIR=/var/lib/jetworker \
+    JETWORKER_METRICS_ADDR=0.0.0.0:9090
 USER jetworker
 WORKDIR /home/jetworker
+
+# /metrics, /healthz and /readyz. The health check probes /readyz with the
+# binary itself (no curl in the image): healthy while the worker is
+# connected to NATS and pulling. A container that runs an operator command
+# instead of the worker reports unhealthy, harmlessly.
+EXPOSE 9090
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["jetworker", "health"]
 
 # tini as PID 1 reaps orphaned task processes and passes SIGTERM on to the
 # worker, which drains its running tasks (drain_timeout) before it exits;

@@ -1421,6 +1421,21 @@ fn choice<T: Copy>(s: &Settings, key: &str, options: &[(&str, T)]) -> Result<T, 
         })
 }
 
+/// The `metrics_addr` setting (`None`: off). `jetworker health` reads it
+/// too, to probe the worker configured in the same place.
+pub fn metrics_addr(s: &Settings) -> Result<Option<SocketAddr>, ConfigError> {
+    match s.text("metrics_addr") {
+        None => Ok(None),
+        Some(a) if a.is_empty() || a == "off" => Ok(None),
+        Some(a) => a.parse::<SocketAddr>().map(Some).map_err(|_| {
+            ConfigError::new(
+                "metrics_addr",
+                format!("`{a}` is not an address like 127.0.0.1:9090"),
+            )
+        }),
+    }
+}
+
 /// Resolve every worker setting.
 pub fn resolve_worker(s: &Settings) -> Result<WorkerConfig, ConfigError> {
     let connect = resolve_connect(s)?;
@@ -1527,16 +1542,7 @@ pub fn resolve_worker(s: &Settings) -> Result<WorkerConfig, ConfigError> {
         ));
     }
     let state_dir = PathBuf::from(s.text_or_default("state_dir"));
-    let metrics_addr = match s.text("metrics_addr") {
-        None => None,
-        Some(a) if a.is_empty() || a == "off" => None,
-        Some(a) => Some(a.parse::<SocketAddr>().map_err(|_| {
-            ConfigError::new(
-                "metrics_addr",
-                format!("`{a}` is not an address like 127.0.0.1:9090"),
-            )
-        })?),
-    };
+    let metrics_addr = metrics_addr(s)?;
     let pass_env = s.list("pass_env").unwrap_or_default();
     let shell: Vec<String> = s
         .text_or_default("shell")

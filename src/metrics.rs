@@ -22,6 +22,12 @@ pub struct AttemptLabels {
     pub status: String,
 }
 
+/// Labels of the per-label gauges.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LabelLabels {
+    pub label: String,
+}
+
 /// The worker's metrics.
 pub struct Metrics {
     registry: Registry,
@@ -29,6 +35,9 @@ pub struct Metrics {
     pub duration: Histogram,
     pub running: Gauge,
     pub outbox: Gauge,
+    /// 1 while the label's consumer is paused (`jetworker pause`), read
+    /// from the consumer's info at each heartbeat.
+    pub label_paused: Family<LabelLabels, Gauge>,
     pub ready: AtomicBool,
 }
 
@@ -61,12 +70,19 @@ impl Metrics {
             "Messages waiting in the on-disk outbox",
             outbox.clone(),
         );
+        let label_paused = Family::<LabelLabels, Gauge>::default();
+        registry.register(
+            "label_paused",
+            "1 while the label is paused (its workers take no new tasks)",
+            label_paused.clone(),
+        );
         Metrics {
             registry,
             attempts,
             duration,
             running,
             outbox,
+            label_paused,
             ready: AtomicBool::new(false),
         }
     }
@@ -78,8 +94,15 @@ impl Metrics {
     }
 }
 
-/// Serve the endpoints until the process exits.
-pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result<()> {
+/// Bind the endpoints' address: at start, so that an address that cannot
+/// be bound stops the worker (a configuration error) instead of leaving it
+/// running unobserved.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await
+}
+
+/// Serve the endpoints on a [`bind`]ed listener until the process exits.
+pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) -> anyhow::Result<()> {
     let app = Router::new()
         .route(
             "/metrics",
@@ -105,8 +128,9 @@ pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result<()
             }),
         )
         .with_state(metrics);
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    tracing::info!(%addr, "metrics endpoint listening");
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "metrics endpoint listening");
+    }
     axum::serve(listener, app).await?;
     Ok(())
 }

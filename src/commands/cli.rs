@@ -16,6 +16,8 @@ Examples:
   jetworker submit --wait -- 'echo hello'           # a task; exit 0 if it succeeded
   jetworker results -f                              # results as they come
   jetworker workers --watch
+  jetworker queues                                  # waiting, running, oldest, paused
+  jetworker status 3f9a2c                           # exit 0/1 final, 3 not yet, 4 unknown
   jetworker config check --show-sources             # every setting and its source
 
 Connection settings follow the nats CLI: --server/NATS_URL replace only the
@@ -50,6 +52,16 @@ pub enum Command {
     Results(super::results::ResultsArgs),
     /// List online workers, or watch them come and go.
     Workers(super::workers::WorkersArgs),
+    /// Per label: tasks waiting and running, the oldest, paused or not.
+    Queues(super::queues::QueuesArgs),
+    /// Where one task stands (exit 0 success, 1 failed, 3 not final, 4 unknown).
+    Status(super::status::StatusArgs),
+    /// Stop a label's workers from taking new tasks.
+    Pause(super::queues::PauseArgs),
+    /// Let a paused label's workers take tasks again.
+    Resume(super::queues::ResumeArgs),
+    /// Probe a worker's /readyz (or /healthz): exit 0 when it answers 200.
+    Health(super::health::HealthArgs),
     /// Cancel a queued or running task.
     Cancel(super::cancel::CancelArgs),
     /// Follow the live output of a running task.

@@ -1,7 +1,8 @@
 //! Subcommand dispatch, one module per subcommand. [`main`] is the real
 //! `main`: it parses arguments, sets up logging, builds the runtime and maps
 //! results to exit codes (0 ok, 1 a task did not succeed, 2 usage,
-//! configuration or connection error).
+//! configuration or connection error; `status` adds 3 not final yet and 4
+//! unknown id).
 
 pub mod cancel;
 pub mod cli;
@@ -9,13 +10,16 @@ pub mod common;
 pub mod completions;
 pub mod configcmd;
 pub mod dead;
+pub mod health;
 pub mod logs;
 pub mod output;
+pub mod queues;
 pub mod results;
 pub mod run;
 pub mod schedule;
 pub mod schema;
 pub mod setup;
+pub mod status;
 pub mod submit;
 pub mod taskflags;
 pub mod workers;
@@ -35,6 +39,10 @@ pub enum Exit {
     Ok,
     /// Exit 1: the task(s) did not succeed.
     NotSucceeded,
+    /// Exit 3 (`status`): the task has no final result yet.
+    NotFinal,
+    /// Exit 4 (`status`): no task with this id is known.
+    Unknown,
 }
 
 /// Shared settings handed to every subcommand.
@@ -88,6 +96,8 @@ pub fn main() -> ExitCode {
     match run_cli(cli) {
         Ok(Exit::Ok) => ExitCode::SUCCESS,
         Ok(Exit::NotSucceeded) => ExitCode::from(1),
+        Ok(Exit::NotFinal) => ExitCode::from(3),
+        Ok(Exit::Unknown) => ExitCode::from(4),
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             if let Some(c) = e.downcast_ref::<ConfigError>() {
@@ -138,16 +148,27 @@ fn run_cli(cli: Cli) -> anyhow::Result<Exit> {
     if let Command::Config(a) = cli.command {
         return configcmd::run(&settings, a);
     }
+    if let Command::Health(a) = cli.command {
+        return rt.block_on(health::run(&settings, a));
+    }
     let connect = config::resolve_connect(&settings)?;
     let ctx = Ctx { connect };
     rt.block_on(async move {
         match cli.command {
-            Command::Run(_) | Command::Config(_) | Command::Completions(_) | Command::Man(_) => {
+            Command::Run(_)
+            | Command::Config(_)
+            | Command::Health(_)
+            | Command::Completions(_)
+            | Command::Man(_) => {
                 unreachable!()
             }
             Command::Submit(a) => submit::run(&ctx, a).await,
             Command::Results(a) => results::run(&ctx, a).await,
             Command::Workers(a) => workers::run(&ctx, a).await,
+            Command::Queues(a) => queues::run(&ctx, a).await,
+            Command::Status(a) => status::run(&ctx, a).await,
+            Command::Pause(a) => queues::pause(&ctx, a).await,
+            Command::Resume(a) => queues::resume(&ctx, a).await,
             Command::Cancel(a) => cancel::run(&ctx, a).await,
             Command::Logs(a) => logs::run(&ctx, a).await,
             Command::Dead(a) => dead::run(&ctx, a).await,

@@ -5,6 +5,10 @@
 //! `offline (expired)` for the limit marker the bucket leaves when a
 //! worker stops beating (DESIGN.md section 6).
 //!
+//! Labels whose consumer is paused (`jetworker pause`) are marked
+//! `label(paused)` in the table; `--json` adds `"paused_labels":[…]` to
+//! each heartbeat.
+//!
 //! `--json`: the heartbeat values, one per line. With `--watch`, one shape
 //! only: events `{"event":"online"|"offline","worker":…,"time":…,
 //! "reason":…,"heartbeat":…}` one per line, the workers already online
@@ -33,6 +37,31 @@ pub struct WorkersArgs {
     /// Print JSON lines instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// A `--json` line: the heartbeat and which of its labels are paused.
+#[derive(Serialize)]
+struct Row<'a> {
+    #[serde(flatten)]
+    heartbeat: &'a Heartbeat,
+    paused_labels: Vec<&'a str>,
+}
+
+/// The labels whose consumer is paused now (none when the task stream
+/// cannot be read: the heartbeats are still worth showing).
+async fn paused_labels(conn: &Conn) -> BTreeSet<String> {
+    let Ok(tasks) = crate::queues::tasks_stream(&conn.js, &conn.names).await else {
+        return BTreeSet::new();
+    };
+    crate::queues::label_consumers(&tasks, &conn.names)
+        .await
+        .map(|c| {
+            c.into_iter()
+                .filter(|(_, info)| info.paused)
+                .map(|(label, _)| label)
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// A `--watch --json` event.
@@ -80,12 +109,22 @@ pub async fn run(ctx: &super::Ctx, args: WorkersArgs) -> anyhow::Result<Exit> {
             print_event("online", &hb.id, None, Some(hb), hb.seen_at, true, colour)?;
         }
     } else if args.json {
+        let paused = paused_labels(&conn).await;
         for hb in &all {
-            output::json_line(hb)?;
+            output::json_line(&Row {
+                heartbeat: hb,
+                paused_labels: hb
+                    .labels
+                    .iter()
+                    .filter(|l| paused.contains(*l))
+                    .map(String::as_str)
+                    .collect(),
+            })?;
         }
     } else if all.is_empty() {
         output::line("no workers online")?;
     } else {
+        let paused = paused_labels(&conn).await;
         let now = Utc::now();
         let mut t = Table::new(
             &[
@@ -97,7 +136,14 @@ pub async fn run(ctx: &super::Ctx, args: WorkersArgs) -> anyhow::Result<Exit> {
             t.push(vec![
                 hb.id.clone(),
                 hb.hostname.clone(),
-                join(&hb.labels),
+                hb.labels
+                    .iter()
+                    .map(|l| match paused.contains(l) {
+                        true => format!("{l}(paused)"),
+                        false => l.clone(),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(","),
                 join(&hb.types),
                 hb.slots.to_string(),
                 hb.running.to_string(),

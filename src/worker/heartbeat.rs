@@ -2,6 +2,9 @@
 //! `workers` under its id every interval. The bucket's max age removes the
 //! key of a worker that stops beating, and its limit marker lets watchers
 //! see it go; a clean shutdown deletes the key (see [`super::run`]).
+//! Each round also tells [`super::ConnState`] that the worker is alive
+//! (and whether the put was stored), and reads whether its labels are
+//! paused for the `jetworker_label_paused` gauge.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::Shared;
+use crate::metrics::LabelLabels;
 use crate::protocol::Heartbeat;
 
 /// The current heartbeat value.
@@ -28,6 +32,26 @@ pub fn value(sh: &Shared) -> Heartbeat {
         started_at: sh.started_at,
         seen_at: chrono::Utc::now(),
         counts: sh.counts(),
+    }
+}
+
+/// Set the `jetworker_label_paused` gauge of each label from its
+/// consumer's info (`jetworker pause` changes the consumer, not the worker).
+async fn paused_labels(sh: &Shared) {
+    for label in &sh.cfg.labels {
+        let read = crate::queues::is_paused(&sh.infra.tasks, &sh.names, label);
+        match tokio::time::timeout(Duration::from_secs(5), read).await {
+            Ok(Ok(p)) => {
+                sh.metrics
+                    .label_paused
+                    .get_or_create(&LabelLabels {
+                        label: label.clone(),
+                    })
+                    .set(i64::from(p));
+            }
+            Ok(Err(e)) => debug!("{e:#}"),
+            Err(_) => debug!(label, "reading the consumer timed out"),
+        }
     }
 }
 
@@ -50,7 +74,12 @@ pub async fn beat(sh: Arc<Shared>, stop: CancellationToken, first: CancellationT
             }
         };
         let put = sh.infra.workers.put(&sh.id, v.into());
-        match tokio::time::timeout(Duration::from_secs(5), put).await {
+        let stored = tokio::time::timeout(Duration::from_secs(5), put).await;
+        sh.conn.beat(matches!(stored, Ok(Ok(_))));
+        if matches!(stored, Ok(Ok(_))) {
+            paused_labels(&sh).await;
+        }
+        match stored {
             Ok(Ok(_)) => {
                 first.cancel();
                 if failing {

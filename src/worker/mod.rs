@@ -9,7 +9,8 @@
 //! answers the broker; [`records`] reads and builds the records on
 //! `results.<id>` (every write a compare-and-set); [`outbox`] is the one
 //! delivery loop for what must be stored; [`running`] is the registry of
-//! running tasks, whose guard unregisters on drop.
+//! running tasks, whose guard unregisters on drop; [`readiness`] works out
+//! `/readyz` and what systemd hears (`READY=1`, watchdog, `STOPPING=1`).
 //!
 //! Shutdown: the `shutdown` token stops the pullers; running tasks get
 //! `drain_timeout` to finish; the rest are stopped, recorded `queued` and
@@ -19,11 +20,14 @@
 mod heartbeat;
 mod lifecycle;
 pub mod outbox;
+mod readiness;
 mod records;
 mod running;
 
+pub use readiness::ConnState;
+use readiness::Pull;
+
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -44,37 +48,11 @@ use crate::setup::{self, Infra, SetupOptions};
 
 /// How long one pull request waits at the server for messages.
 const PULL_EXPIRES: Duration = Duration::from_secs(2);
+/// A pull that ends later than its expiry plus this was not ended by the
+/// server (the client's own timer ends it 5 s after the expiry).
+const PULL_ANSWER_MARGIN: Duration = Duration::from_secs(2);
 /// Room left in a result message for everything but the output.
 const RESULT_OVERHEAD: usize = 16 * 1024;
-
-/// Connection state, fed by the client's event callback: for `/readyz`
-/// and for the outbox, which waits for a connection rather than spin.
-pub struct ConnState {
-    connected: AtomicBool,
-    metrics: Arc<Metrics>,
-}
-
-impl ConnState {
-    fn on_event(&self, e: &async_nats::Event) {
-        match e {
-            async_nats::Event::Connected => {
-                self.connected.store(true, Ordering::SeqCst);
-                info!("connected to NATS");
-            }
-            async_nats::Event::Disconnected => {
-                self.connected.store(false, Ordering::SeqCst);
-                // Ready again once a pull succeeds on the new connection.
-                self.metrics.ready.store(false, Ordering::Relaxed);
-                warn!("disconnected from NATS; reconnecting");
-            }
-            other => debug!(event = %other, "NATS event"),
-        }
-    }
-
-    pub fn is_connected(&self) -> bool {
-        self.connected.load(Ordering::SeqCst)
-    }
-}
 
 /// State shared by every part of one worker.
 pub struct Shared {
@@ -246,10 +224,26 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let _ = rustls::crypto::ring::default_provider().install_default();
 
     let metrics = Arc::new(Metrics::new());
-    let conn = Arc::new(ConnState {
-        connected: AtomicBool::new(false),
-        metrics: metrics.clone(),
-    });
+    // Bound before anything else: an address that cannot be bound is a
+    // configuration error (exit 2), and /healthz answers (and /readyz says
+    // "not ready") while the worker still waits for NATS.
+    let _endpoints = match cfg.metrics_addr {
+        Some(addr) => {
+            let listener = crate::metrics::bind(addr).await.map_err(|e| {
+                ConfigError::new("metrics_addr", format!("cannot listen on {addr}: {e}"))
+            })?;
+            let m = metrics.clone();
+            Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+                async move {
+                    if let Err(e) = crate::metrics::serve(listener, m).await {
+                        error!(%addr, "metrics endpoint failed: {e:#}");
+                    }
+                },
+            )))
+        }
+        None => None,
+    };
+    let conn = Arc::new(ConnState::new(metrics.clone()));
     // Until it pulls, a worker waiting for NATS or for its streams must
     // still stop at once on SIGTERM.
     let started = tokio::select! {
@@ -388,15 +382,6 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         types = ?sh.types.iter().map(|t| t.as_str()).collect::<Vec<_>>(),
         ack_wait = ?sh.ack_wait, "worker started");
 
-    if let Some(addr) = sh.cfg.metrics_addr {
-        let m = metrics.clone();
-        tokio::spawn(async move {
-            if let Err(e) = crate::metrics::serve(addr, m).await {
-                error!(%addr, "metrics endpoint failed: {e:#}");
-            }
-        });
-    }
-
     let background = CancellationToken::new();
     let first_beat = CancellationToken::new();
     let hb = tokio::spawn(heartbeat::beat(
@@ -447,6 +432,18 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let tracker = TaskTracker::new();
     let sem = Arc::new(Semaphore::new(sh.cfg.slots));
     let per_pull = (sh.cfg.slots / consumers.len()).clamp(1, 64);
+    // Not ready until every label's first pull is answered.
+    for (label, _) in &consumers {
+        sh.conn.pull(label, Pull::Failing);
+    }
+    // The heartbeat loop goes round every interval, a put taking at most
+    // 5 s: a worker whose loop missed two rounds is stuck.
+    let alive_within = sh.cfg.heartbeat * 2 + Duration::from_secs(10);
+    tokio::spawn(readiness::watchdog(
+        sh.conn.clone(),
+        alive_within,
+        background.clone(),
+    ));
     let mut pullers = Vec::new();
     for (label, consumer) in consumers {
         pullers.push(tokio::spawn(pull_loop(
@@ -462,7 +459,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     shutdown.cancelled().await;
     // The drain timeout counts from the request to stop.
     let drain_until = tokio::time::Instant::now() + sh.cfg.drain_timeout;
-    metrics.ready.store(false, Ordering::Relaxed);
+    sh.conn.stop();
     info!(
         running = sh.running.ids().len(),
         "stopping: no new tasks; draining"
@@ -543,7 +540,7 @@ async fn start_up(cfg: &WorkerConfig, id: &str, conn: Arc<ConnState>) -> anyhow:
         Arc::new(move |e| c2.on_event(&e)),
     )
     .await?;
-    conn.connected.store(true, Ordering::SeqCst);
+    conn.set_connected();
     crate::connect::check_server_version(&client)
         .map_err(|e| ConfigError::new("server", format!("{e:#}")))?;
     let js = crate::connect::jetstream(client.clone(), &cfg.connect);
@@ -617,8 +614,8 @@ async fn prepare(
     Ok((infra, consumers, ack_wait))
 }
 
-/// Pull from one label's consumer, never leasing more than free slots.
-/// Ready (`/readyz`) while pulls succeed on a live connection.
+/// Pull from one label's consumer, never leasing more than free slots,
+/// telling [`ConnState`] whether the server answers (`/readyz`).
 async fn pull_loop(
     sh: Arc<Shared>,
     label: String,
@@ -630,10 +627,16 @@ async fn pull_loop(
     let mut failures = 0u32;
     loop {
         // Shutdown first: with a free slot, both branches are ready.
-        let first = tokio::select! {
-            biased;
-            _ = sh.shutdown.cancelled() => return,
-            p = sem.clone().acquire_owned() => p.expect("semaphore open"),
+        let first = match sem.clone().try_acquire_owned() {
+            Ok(p) if !sh.shutdown.is_cancelled() => p,
+            _ => {
+                sh.conn.pull(&label, Pull::Busy);
+                tokio::select! {
+                    biased;
+                    _ = sh.shutdown.cancelled() => return,
+                    p = sem.clone().acquire_owned() => p.expect("semaphore open"),
+                }
+            }
         };
         let mut permits = vec![first];
         while permits.len() < per_pull {
@@ -642,6 +645,8 @@ async fn pull_loop(
                 Err(_) => break,
             }
         }
+        let generation = sh.conn.generation();
+        let sent = tokio::time::Instant::now();
         let batch = consumer
             .fetch()
             .max_messages(permits.len())
@@ -651,14 +656,11 @@ async fn pull_loop(
         let mut batch = match batch {
             Ok(b) => {
                 failures = 0;
-                sh.metrics
-                    .ready
-                    .store(sh.conn.is_connected(), Ordering::Relaxed);
                 b
             }
             Err(e) => {
                 failures += 1;
-                sh.metrics.ready.store(false, Ordering::Relaxed);
+                sh.conn.pull(&label, Pull::Failing);
                 if failures == 1 || failures.is_multiple_of(30) {
                     warn!(label, "pull failed: {e}");
                 }
@@ -683,9 +685,14 @@ async fn pull_loop(
                 continue;
             }
         };
+        // The server ends a pull at its expiry; a batch that ends well
+        // after that was ended by the client's own timer: no answer.
+        let mut answered = false;
+        let mut failed = false;
         while let Some(item) = batch.next().await {
             match item {
                 Ok(msg) => {
+                    answered = true;
                     // Arrived after we stopped, or more than asked: hand it
                     // straight back (not an attempt).
                     let permit = match permits.pop() {
@@ -710,12 +717,21 @@ async fn pull_loop(
                 Err(e) => {
                     // Expiry ends a batch without an error; this is the
                     // broker failing (no quorum, stream leader gone).
-                    sh.metrics.ready.store(false, Ordering::Relaxed);
+                    failed = true;
                     debug!(label, "pull batch ended: {e}");
                     break;
                 }
             }
         }
+        answered |= !failed && sent.elapsed() < PULL_EXPIRES + PULL_ANSWER_MARGIN;
+        sh.conn.pull(
+            &label,
+            if answered && !failed {
+                Pull::Answered(generation)
+            } else {
+                Pull::Failing
+            },
+        );
     }
 }
 

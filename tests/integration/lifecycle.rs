@@ -721,4 +721,8 @@ fn systemd_unit_restarts_on_every_exit_but_2() {
         "no other exit code treated specially: {:?}",
         get("SuccessExitStatus")
     );
+    // Readiness and the watchdog (tested in operators.rs) are only heard
+    // with Type=notify and a WatchdogSec.
+    assert_eq!(get("Type"), vec!["notify"]);
+    assert_eq!(get("WatchdogSec").len(), 1);
 }

@@ -14,6 +14,7 @@ mod faults;
 mod history;
 mod http;
 mod lifecycle;
+mod operators;
 mod proxy;
 mod readme;
 mod runner_ctx;
