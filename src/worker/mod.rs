@@ -34,7 +34,7 @@ use rand::Rng;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, info, warn, Instrument};
 
 use crate::config::{ConfigError, WorkerConfig};
 use crate::metrics::Metrics;
@@ -47,10 +47,13 @@ const PULL_EXPIRES: Duration = Duration::from_secs(2);
 /// Room left in a result message for everything but the output.
 const RESULT_OVERHEAD: usize = 16 * 1024;
 
-/// Connection state, fed by the client's event callback: for `/readyz`
-/// and for the outbox, which waits for a connection rather than spin.
+/// Connection state, fed by the client's event callback: for `/readyz`,
+/// the `connected`/`reconnects` metrics, and the outbox, which waits for a
+/// connection rather than spin.
 pub struct ConnState {
     connected: AtomicBool,
+    /// A connection was made before: the next one is a reconnect.
+    ever_connected: AtomicBool,
     metrics: Arc<Metrics>,
 }
 
@@ -58,16 +61,25 @@ impl ConnState {
     fn on_event(&self, e: &async_nats::Event) {
         match e {
             async_nats::Event::Connected => {
-                self.connected.store(true, Ordering::SeqCst);
+                self.set_connected(true);
                 info!("connected to NATS");
             }
             async_nats::Event::Disconnected => {
-                self.connected.store(false, Ordering::SeqCst);
+                self.set_connected(false);
                 // Ready again once a pull succeeds on the new connection.
                 self.metrics.ready.store(false, Ordering::Relaxed);
                 warn!("disconnected from NATS; reconnecting");
             }
             other => debug!(event = %other, "NATS event"),
+        }
+    }
+
+    /// The one place the connection state changes.
+    fn set_connected(&self, up: bool) {
+        let was = self.connected.swap(up, Ordering::SeqCst);
+        self.metrics.connected.set(up as i64);
+        if up && !was && self.ever_connected.swap(true, Ordering::SeqCst) {
+            self.metrics.reconnects.inc();
         }
     }
 
@@ -136,6 +148,13 @@ impl Shared {
 
     fn counts(&self) -> BTreeMap<String, u64> {
         self.counts.lock().unwrap().clone()
+    }
+
+    /// Tell the metrics what the outbox holds now (after each store and
+    /// removal).
+    fn outbox_changed(&self) {
+        let (entries, oldest) = self.outbox.stats();
+        self.metrics.set_outbox(entries, oldest);
     }
 
     /// The reason of a cancel key for `id`, if there is one.
@@ -231,8 +250,17 @@ fn random_suffix() -> String {
 /// restart. Transient broker trouble at start (JetStream not ready, API
 /// timeouts, no responders) is retried here with backoff, not returned.
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    crate::process::protect_secrets();
     let id = format!("{}-{}", cfg.name, random_suffix());
+    crate::logfmt::set_worker_id(&id);
+    // Every log line of this worker's life carries its id: the span is
+    // entered here and passed on to everything it spawns.
+    let span = tracing::info_span!("worker", worker_id = %id);
+    run_as(cfg, shutdown, id).instrument(span).await
+}
+
+/// [`run`], inside the worker's span.
+async fn run_as(cfg: WorkerConfig, shutdown: CancellationToken, id: String) -> anyhow::Result<()> {
+    crate::process::protect_secrets();
     let hostname = hostname::get()
         .ok()
         .and_then(|h| h.into_string().ok())
@@ -246,8 +274,10 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let _ = rustls::crypto::ring::default_provider().install_default();
 
     let metrics = Arc::new(Metrics::new());
+    metrics.slots.set(cfg.slots as i64);
     let conn = Arc::new(ConnState {
         connected: AtomicBool::new(false),
+        ever_connected: AtomicBool::new(false),
         metrics: metrics.clone(),
     });
     // Until it pulls, a worker waiting for NATS or for its streams must
@@ -384,40 +414,37 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         watchdog: Mutex::new(watchdog),
         cfg,
     });
-    info!(worker_id = %sh.id, labels = ?sh.cfg.labels, slots = sh.cfg.slots,
+    info!(labels = ?sh.cfg.labels, slots = sh.cfg.slots,
         types = ?sh.types.iter().map(|t| t.as_str()).collect::<Vec<_>>(),
         ack_wait = ?sh.ack_wait, "worker started");
 
     if let Some(addr) = sh.cfg.metrics_addr {
         let m = metrics.clone();
-        tokio::spawn(async move {
-            if let Err(e) = crate::metrics::serve(addr, m).await {
-                error!(%addr, "metrics endpoint failed: {e:#}");
+        tokio::spawn(
+            async move {
+                if let Err(e) = crate::metrics::serve(addr, m).await {
+                    error!(%addr, "metrics endpoint failed: {e:#}");
+                }
             }
-        });
+            .in_current_span(),
+        );
     }
 
     let background = CancellationToken::new();
     let first_beat = CancellationToken::new();
-    let hb = tokio::spawn(heartbeat::beat(
-        sh.clone(),
-        background.clone(),
-        first_beat.clone(),
-    ));
+    let hb = tokio::spawn(
+        heartbeat::beat(sh.clone(), background.clone(), first_beat.clone()).in_current_span(),
+    );
     // Cancel keys and heartbeats are read before any pulling, so that the
     // first task already sees a cancel put while it was queued.
     let cancels_current = CancellationToken::new();
     let workers_current = CancellationToken::new();
-    tokio::spawn(watch_cancels(
-        sh.clone(),
-        background.clone(),
-        cancels_current.clone(),
-    ));
-    tokio::spawn(watch_workers(
-        sh.clone(),
-        background.clone(),
-        workers_current.clone(),
-    ));
+    tokio::spawn(
+        watch_cancels(sh.clone(), background.clone(), cancels_current.clone()).in_current_span(),
+    );
+    tokio::spawn(
+        watch_workers(sh.clone(), background.clone(), workers_current.clone()).in_current_span(),
+    );
     let caught_up = async {
         cancels_current.cancelled().await;
         workers_current.cancelled().await;
@@ -441,7 +468,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         .is_err()
     {
         warn!("outbox not empty after 10s; delivering it in the background");
-        tokio::spawn(replay_outbox(sh.clone()));
+        tokio::spawn(replay_outbox(sh.clone()).in_current_span());
     }
 
     let tracker = TaskTracker::new();
@@ -449,14 +476,17 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let per_pull = (sh.cfg.slots / consumers.len()).clamp(1, 64);
     let mut pullers = Vec::new();
     for (label, consumer) in consumers {
-        pullers.push(tokio::spawn(pull_loop(
-            sh.clone(),
-            label,
-            consumer,
-            sem.clone(),
-            tracker.clone(),
-            per_pull,
-        )));
+        pullers.push(tokio::spawn(
+            pull_loop(
+                sh.clone(),
+                label,
+                consumer,
+                sem.clone(),
+                tracker.clone(),
+                per_pull,
+            )
+            .in_current_span(),
+        ));
     }
 
     shutdown.cancelled().await;
@@ -516,7 +546,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let _ = tokio::time::timeout(wait, sh.live_client.flush()).await;
     sh.watchdog.lock().unwrap().take();
     sh.runners.process.cleanup();
-    info!(worker_id = %sh.id, "worker stopped");
+    info!("worker stopped");
     Ok(())
 }
 
@@ -536,14 +566,16 @@ struct StartUp {
 /// responders), because a restart would not do better.
 async fn start_up(cfg: &WorkerConfig, id: &str, conn: Arc<ConnState>) -> anyhow::Result<StartUp> {
     let c2 = conn.clone();
+    let span = tracing::Span::current();
     let client = crate::connect::connect_worker(
         &cfg.connect,
         id,
         cfg.ack_wait,
-        Arc::new(move |e| c2.on_event(&e)),
+        // The client calls back from its own task: log in the worker's span.
+        Arc::new(move |e| span.in_scope(|| c2.on_event(&e))),
     )
     .await?;
-    conn.connected.store(true, Ordering::SeqCst);
+    conn.set_connected(true);
     crate::connect::check_server_version(&client)
         .map_err(|e| ConfigError::new("server", format!("{e:#}")))?;
     let js = crate::connect::jetstream(client.clone(), &cfg.connect);
@@ -702,10 +734,13 @@ async fn pull_loop(
                     };
                     let sh = sh.clone();
                     let label = label.clone();
-                    tracker.spawn(async move {
-                        lifecycle::handle(sh, label, msg).await;
-                        drop(permit);
-                    });
+                    tracker.spawn(
+                        async move {
+                            lifecycle::handle(sh, label, msg).await;
+                            drop(permit);
+                        }
+                        .in_current_span(),
+                    );
                 }
                 Err(e) => {
                     // Expiry ends a batch without an error; this is the
@@ -820,9 +855,10 @@ async fn replay_outbox(sh: Arc<Shared>) {
     if pending.is_empty() {
         return;
     }
+    sh.outbox_changed();
     info!(entries = pending.len(), "delivering the outbox");
     for (path, entry) in pending {
         outbox::deliver(&sh, &entry, Some(path)).await;
     }
-    sh.metrics.outbox.set(sh.outbox.len() as i64);
+    sh.outbox_changed();
 }
