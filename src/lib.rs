@@ -17,7 +17,8 @@
 //!   cancellation, the outbox, shutdown.
 //! - [`runner`]: one runner per task type; [`process`] (process groups,
 //!   signals, rlimits) and [`output`] (bounded capture) serve them.
-//! - [`metrics`]: Prometheus `/metrics`, `/healthz`, `/readyz`.
+//! - [`metrics`]: Prometheus `/metrics`, `/healthz`, `/readyz`;
+//!   `logfmt`: JSON log lines with span fields at the top level.
 //! - [`queues`]: the label queues as operators see and steer them (stats,
 //!   pause, resume), shared by the CLI and any other front end.
 
@@ -25,6 +26,7 @@ pub mod cgroup;
 pub mod commands;
 pub mod config;
 pub mod connect;
+mod logfmt;
 pub mod metrics;
 pub mod output;
 pub mod process;

@@ -23,6 +23,9 @@ pub const HEADER_LABEL: &str = "Jetworker-Label";
 pub const HEADER_REASON: &str = "Jetworker-Reason";
 /// Header carrying the id of the task a dead letter belongs to.
 pub const HEADER_TASK_ID: &str = "Jetworker-Task-Id";
+/// Header on a DEAD copy that kept only the head of the original (too
+/// large for `max_payload` with the headers): `kept the first N of M bytes`.
+pub const HEADER_TRUNCATED: &str = "Jetworker-Truncated";
 /// Header of a live-output chunk on `logs.<id>`: `stdout`, `stderr`, or
 /// `eof` on the empty message that ends an attempt's output.
 pub const HEADER_STREAM: &str = "Jetworker-Stream";
@@ -114,6 +117,11 @@ impl Names {
     }
     pub fn schedule_subject(&self, name: &str) -> String {
         format!("{}.{}", self.schedules_prefix, name)
+    }
+    /// The one-shot schedule of a delayed task (`submit --in/--at`):
+    /// `schedules.delayed.<id>`, fired once into `tasks.<label>`.
+    pub fn delayed_subject(&self, id: &str) -> String {
+        format!("{}.{DELAYED_TOKEN}.{id}", self.schedules_prefix)
     }
     pub fn result_subject(&self, id: &str) -> String {
         format!("{}.{}", self.results_prefix, id)
@@ -348,6 +356,11 @@ pub struct TaskMessage {
     pub timeout_seconds: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry: Option<RetryMessage>,
+    /// Deadline: an RFC 3339 time (`"2026-01-02T03:04:05Z"`) or a duration
+    /// counted from when the message was stored (`"10m"`). A delivery after
+    /// it does not run: final status `expired`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires: Option<String>,
     /// Extra environment; may not override the reserved names.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub env: Option<BTreeMap<String, String>>,
@@ -524,6 +537,9 @@ pub struct Task {
     pub shard: Option<Shard>,
     pub timeout: Option<Duration>,
     pub retry: RetryPolicy,
+    /// When the task expires (`expires`, resolved against the message's
+    /// stored time): no attempt starts after it.
+    pub deadline: Option<DateTime<Utc>>,
     pub env: BTreeMap<String, String>,
     pub limits: Limits,
 }
@@ -531,6 +547,11 @@ pub struct Task {
 impl Task {
     pub fn task_type(&self) -> TaskType {
         self.kind.task_type()
+    }
+
+    /// Whether an attempt starting at `at` would start after the deadline.
+    pub fn expired_at(&self, at: DateTime<Utc>) -> bool {
+        self.deadline.is_some_and(|d| at > d)
     }
 }
 
@@ -549,25 +570,53 @@ pub struct Envelope<'a> {
     pub published: Option<DateTime<Utc>>,
 }
 
+/// What fired a message, as its `Nats-Scheduler` header tells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fired<'a> {
+    /// Published directly (no schedule).
+    Direct,
+    /// A cron (or `schedule add --at`) firing of the schedule `<name>`:
+    /// each firing is its own instance.
+    Schedule { name: &'a str },
+    /// A delayed task (`submit --in/--at`), stored on
+    /// `<schedules prefix>.delayed.<id>`: it fires once and keeps its id.
+    Delayed { id: &'a str },
+}
+
+/// The token after the schedules prefix that marks a delayed task's
+/// one-shot schedule (`schedules.delayed.<id>`). Schedule names are single
+/// tokens, so no cron schedule can collide with it.
+pub const DELAYED_TOKEN: &str = "delayed";
+
 impl Envelope<'_> {
     /// The id used when the JSON gives none (DESIGN.md section 3).
     pub fn fallback_id(&self) -> String {
+        if let Fired::Delayed { id } = self.fired() {
+            return id.to_string();
+        }
         match self.msg_id {
             Some(h) if valid_id(h) => h.to_string(),
             _ => format!("seq-{}", self.stream_sequence),
         }
     }
 
-    /// The schedule name of a cron firing (`schedules.<name>` → `<name>`).
-    fn schedule_name(&self) -> Option<&str> {
-        let s = self.scheduler?;
+    /// What fired this message: the schedule subject's tokens after the
+    /// prefix (`schedules.<name>`, `schedules.delayed.<id>`).
+    pub fn fired(&self) -> Fired<'_> {
+        let Some(s) = self.scheduler else {
+            return Fired::Direct;
+        };
         let name = s.split_once('.').map(|(_, n)| n).unwrap_or(s);
-        Some(name)
+        match name.split_once('.') {
+            Some((DELAYED_TOKEN, id)) if valid_id(id) => Fired::Delayed { id },
+            _ => Fired::Schedule { name },
+        }
     }
 }
 
 /// The id under which a rejected message is reported: the JSON `id` if the
-/// bytes are an object with a valid one, else the envelope's fallback.
+/// bytes are an object with a valid one (not for a cron firing, whose id
+/// names the firing), else the envelope's fallback.
 pub fn best_effort_id(bytes: &[u8], env: &Envelope<'_>) -> String {
     #[derive(Deserialize)]
     struct OnlyId {
@@ -577,7 +626,7 @@ pub fn best_effort_id(bytes: &[u8], env: &Envelope<'_>) -> String {
         id: Some(serde_json::Value::String(id)),
     }) = serde_json::from_slice::<OnlyId>(bytes)
     {
-        if valid_id(&id) && env.scheduler.is_none() {
+        if valid_id(&id) && !matches!(env.fired(), Fired::Schedule { .. }) {
             return id;
         }
     }
@@ -726,7 +775,8 @@ pub fn validate(
         }
     }
     let mut id = msg.id.clone().unwrap_or_else(|| env.fallback_id());
-    if let Some(name) = env.schedule_name() {
+    let fired = env.fired();
+    if let Fired::Schedule { name } = fired {
         // A cron firing: each scheduled time is its own instance.
         let base = msg.id.clone().unwrap_or_else(|| name.to_string());
         let when = env.published.unwrap_or_else(Utc::now);
@@ -752,7 +802,9 @@ pub fn validate(
                 "may not contain control characters",
             ))
         }
-        Some(k) if env.scheduler.is_some() => format!("{k}-{}", id_suffix(&id)),
+        Some(k) if matches!(fired, Fired::Schedule { .. }) => {
+            format!("{k}-{}", id_suffix(&id))
+        }
         Some(k) => k.clone(),
         None => id.clone(),
     };
@@ -831,6 +883,11 @@ pub fn validate(
         }
     };
 
+    let deadline = match &msg.expires {
+        Some(e) => Some(deadline(e, env.published.unwrap_or_else(Utc::now))?),
+        None => None,
+    };
+
     let task_env = msg.env.clone().unwrap_or_default();
     for (k, v) in &task_env {
         check_env_pair(k, v, "env")?;
@@ -881,9 +938,35 @@ pub fn validate(
         shard,
         timeout,
         retry,
+        deadline,
         env: task_env,
         limits: limits_v,
     })
+}
+
+/// `expires`: an RFC 3339 time, or a duration counted from `stored` (the
+/// message's stream timestamp; for a schedule's firing, when it fired).
+pub fn deadline(expires: &str, stored: DateTime<Utc>) -> Result<DateTime<Utc>, Invalid> {
+    let e = expires.trim();
+    if let Ok(t) = DateTime::parse_from_rfc3339(e) {
+        return Ok(t.with_timezone(&Utc));
+    }
+    let d = humantime::parse_duration(e).map_err(|_| {
+        Invalid::new(
+            "expires",
+            format!(
+                "`{}` is neither an RFC 3339 time (2026-01-02T03:04:05Z) nor a duration like 10m",
+                truncate_for_error(e)
+            ),
+        )
+    })?;
+    if d.is_zero() {
+        return Err(Invalid::new("expires", "a duration must be greater than 0"));
+    }
+    chrono::Duration::from_std(d)
+        .ok()
+        .and_then(|d| stored.checked_add_signed(d))
+        .ok_or_else(|| Invalid::new("expires", "is too far in the future"))
 }
 
 fn id_suffix(id: &str) -> &str {
@@ -1273,6 +1356,9 @@ pub enum Status {
     Cancelled,
     Rejected,
     Dead,
+    /// Its `expires` deadline passed before an attempt could start (never
+    /// ran, or a retry would have started after it).
+    Expired,
 }
 
 impl Status {
@@ -1286,7 +1372,20 @@ impl Status {
             Status::Cancelled => "cancelled",
             Status::Rejected => "rejected",
             Status::Dead => "dead",
+            Status::Expired => "expired",
         }
+    }
+
+    /// Whether a final record with this status keeps the original task in
+    /// DEAD (`Jetworker-Status` says which), so that it can be run again
+    /// under a new id (`jetworker retry`, `dead replay`): the tasks that
+    /// never ran (`rejected`, `dead`, `expired`) and those that failed for
+    /// good (`failed`, `timeout`). Not `success` or `cancelled`.
+    pub fn dead_lettered(self) -> bool {
+        matches!(
+            self,
+            Status::Rejected | Status::Dead | Status::Expired | Status::Failed | Status::Timeout
+        )
     }
 }
 
@@ -1661,6 +1760,76 @@ mod tests {
         .unwrap();
         assert_eq!(t.id, "nightly-20260102T030405Z");
         assert_eq!(t.idempotency_key, t.id);
+    }
+
+    #[test]
+    fn delayed_firing_keeps_its_id() {
+        let e = Envelope {
+            scheduler: Some("schedules.delayed.abc"),
+            published: Some(Utc::now()),
+            ..env()
+        };
+        assert_eq!(e.fired(), Fired::Delayed { id: "abc" });
+        let lim = ValidationLimits::default();
+        let t = parse_task(br#"{"type":"shell","payload":"x"}"#, &e, &lim).unwrap();
+        assert_eq!((t.id.as_str(), t.idempotency_key.as_str()), ("abc", "abc"));
+        let t = parse_task(
+            br#"{"type":"shell","payload":"x","id":"own","idempotency_key":"k"}"#,
+            &e,
+            &lim,
+        )
+        .unwrap();
+        assert_eq!((t.id.as_str(), t.idempotency_key.as_str()), ("own", "k"));
+        assert_eq!(best_effort_id(br#"{"id":"own"}"#, &e), "own");
+        // A schedule name is one token: `schedules.delayed` is a cron schedule.
+        let cron = Envelope {
+            scheduler: Some("schedules.delayed"),
+            ..env()
+        };
+        assert_eq!(cron.fired(), Fired::Schedule { name: "delayed" });
+        assert_eq!(best_effort_id(br#"{"id":"own"}"#, &cron), "seq-7");
+        assert_eq!(
+            Names::default().delayed_subject("abc"),
+            "schedules.delayed.abc"
+        );
+    }
+
+    #[test]
+    fn expires_is_a_time_or_a_duration_from_the_stored_time() {
+        let stored = DateTime::parse_from_rfc3339("2026-01-02T03:04:05Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let e = Envelope {
+            published: Some(stored),
+            ..env()
+        };
+        let lim = ValidationLimits::default();
+        let t = parse_task(
+            br#"{"type":"shell","payload":"x","expires":"10m"}"#,
+            &e,
+            &lim,
+        )
+        .unwrap();
+        assert_eq!(t.deadline, Some(stored + chrono::Duration::minutes(10)));
+        assert!(!t.expired_at(stored + chrono::Duration::minutes(10)));
+        assert!(t.expired_at(stored + chrono::Duration::minutes(11)));
+        let t = parse_task(
+            br#"{"type":"shell","payload":"x","expires":"2026-01-02T04:00:00+01:00"}"#,
+            &e,
+            &lim,
+        )
+        .unwrap();
+        assert_eq!(t.deadline, Some(stored - chrono::Duration::seconds(245)));
+        assert!(parse("{\"type\":\"shell\",\"payload\":\"x\"}")
+            .unwrap()
+            .deadline
+            .is_none());
+        for bad in ["soon", "0s", ""] {
+            let json = format!(r#"{{"type":"shell","payload":"x","expires":"{bad}"}}"#);
+            let err = parse(&json).unwrap_err();
+            assert_eq!(err.field, "expires", "{bad}: {err}");
+        }
+        assert_eq!("expired".parse::<Status>(), Ok(Status::Expired));
     }
 
     #[test]

@@ -68,6 +68,9 @@ pub enum Command {
     Logs(super::logs::LogsArgs),
     /// List, replay or purge dead letters.
     Dead(super::dead::DeadArgs),
+    /// Run failed (or expired, dead, rejected) tasks again under new ids.
+    #[command(after_help = RETRY_EXAMPLES)]
+    Retry(super::retry::RetryArgs),
     /// Manage cron schedules stored in the task stream.
     Schedule(super::schedule::ScheduleArgs),
     /// Print the JSON Schema of the task message.
@@ -95,7 +98,15 @@ Examples:
   jetworker submit --wait -- 'make test'            # exit 0 only if it succeeded
   jetworker submit --type command --retries 2 -- /bin/echo hi
   jetworker submit --shards 8 --wait -- 'process-part $SHARD_NO'
-  jetworker submit --file task.json --label gpu     # or a task on stdin (-f -)";
+  jetworker submit --file task.json --label gpu     # or a task on stdin (-f -)
+  jetworker submit --in 10m --wait -- 'make report' # runs in 10 minutes
+  jetworker submit --expires 30m -- 'send-reminder' # not run after 30 minutes";
+
+const RETRY_EXAMPLES: &str = "\
+Examples:
+  jetworker retry 3f9akx2m                          # runs it again as 3f9akx2m-r1
+  jetworker retry --status failed --since 1h        # every task that failed in the last hour
+  jetworker retry --status expired --label gpu --dry-run";
 
 /// The settings flags of some groups, by setting key.
 #[derive(Debug, Clone, Default)]

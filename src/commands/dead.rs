@@ -1,18 +1,22 @@
 //! `jetworker dead`: the dead letters in stream DEAD (`dead.<label>.<id>`:
 //! the original task bytes, headers `Jetworker-Reason`, `Jetworker-Task-Id`,
-//! `Jetworker-Label`). `dead` lists them; `dead replay <id>` publishes the
-//! original again under the new id `<id>-r<n>` (the id is the unit of
-//! idempotency, so the same id would not run again) with a fresh attempt
-//! budget; `dead purge` removes them (all, or one id's, or one label's).
+//! `Jetworker-Label`, `Jetworker-Status`: the final status that put it
+//! there — `rejected`, `dead`, `expired`, `failed` or `timeout`). `dead`
+//! lists them; `dead replay <id>` publishes the original again under the
+//! new id `<id>-r<n>` (the id is the unit of idempotency, so the same id
+//! would not run again) with a fresh attempt budget — the same code as
+//! `jetworker retry <id>` ([`super::retry::retry`]); `dead purge` removes
+//! them (all, or one id's, or one label's).
 //!
 //! `dead purge` asks first on a terminal and needs `--force` elsewhere.
 //!
 //! `--json` prints one dead letter per line:
-//! `{"id","label","reason","time","sequence","task"}` (`task` is the
-//! original bytes as text); `replay --json`: `{"id","new_id","subject",
-//! "duplicate"}`; `purge --json`: `{"filter","purged"}`.
+//! `{"id","label","status","reason","time","sequence","task"}` (`task` is
+//! the original bytes as text; `status` is empty on letters written by
+//! hand); `replay --json`: `{"id","new_id","subject","duplicate",
+//! "dropped_expires"}`; `purge --json`: `{"filter","purged"}`.
 
-use anyhow::{anyhow, bail, Context as _};
+use anyhow::{bail, Context as _};
 use async_nats::jetstream::consumer::DeliverPolicy;
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
@@ -20,9 +24,11 @@ use serde::Serialize;
 
 use super::common::{header, Conn, OrderedReader, Read};
 use super::output::{self, colour_enabled, Table};
-use super::taskflags::{parse_message, validate_locally, Origin};
 use super::Exit;
-use crate::protocol::{valid_id, valid_label, HEADER_LABEL, HEADER_REASON, HEADER_TASK_ID};
+use crate::protocol::{
+    valid_id, valid_label, HEADER_LABEL, HEADER_REASON, HEADER_STATUS, HEADER_TASK_ID,
+    HEADER_TRUNCATED,
+};
 
 #[derive(Debug, Clone, Args)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -67,15 +73,6 @@ pub struct PurgeArgs {
     pub force: bool,
 }
 
-/// What `replay --json` prints.
-#[derive(Serialize)]
-struct Replayed<'a> {
-    id: &'a str,
-    new_id: &'a str,
-    subject: &'a str,
-    duplicate: bool,
-}
-
 /// What `purge --json` prints.
 #[derive(Serialize)]
 struct Purged<'a> {
@@ -88,12 +85,18 @@ struct Purged<'a> {
 pub struct DeadLetter {
     pub id: String,
     pub label: String,
+    /// The final status that put it here (`Jetworker-Status`); empty when
+    /// the letter does not say.
+    pub status: String,
     pub reason: String,
     pub time: DateTime<Utc>,
     pub sequence: u64,
     pub task: String,
     #[serde(skip)]
     pub bytes: bytes::Bytes,
+    /// `Jetworker-Truncated`: the copy kept only the head of the original.
+    #[serde(skip)]
+    pub truncated: Option<String>,
 }
 
 impl DeadLetter {
@@ -111,17 +114,19 @@ impl DeadLetter {
         DeadLetter {
             id: header(h, HEADER_TASK_ID).unwrap_or(id_s),
             label: header(h, HEADER_LABEL).unwrap_or(label_s),
+            status: header(h, HEADER_STATUS).unwrap_or_default(),
             reason: header(h, HEADER_REASON).unwrap_or_default(),
             time: m.time,
             sequence: m.sequence,
             task: String::from_utf8_lossy(&m.payload).into_owned(),
             bytes: m.payload,
+            truncated: header(h, HEADER_TRUNCATED),
         }
     }
 }
 
 /// Dead letters on `filter` (a subject under the dead prefix), oldest first.
-async fn read(conn: &Conn, filter: String) -> anyhow::Result<Vec<DeadLetter>> {
+pub(crate) async fn read(conn: &Conn, filter: String) -> anyhow::Result<Vec<DeadLetter>> {
     let stream = conn.stream(&conn.names.dead_stream).await?;
     let mut reader = OrderedReader::open(&stream, vec![filter], DeliverPolicy::All).await?;
     let prefix = conn.names.dead_prefix.clone();
@@ -133,14 +138,14 @@ async fn read(conn: &Conn, filter: String) -> anyhow::Result<Vec<DeadLetter>> {
         .collect())
 }
 
-fn check_label(l: &str) -> anyhow::Result<()> {
+pub(crate) fn check_label(l: &str) -> anyhow::Result<()> {
     if !valid_label(l) {
         bail!("--label: `{l}` is not [A-Za-z0-9_-]{{1,64}}");
     }
     Ok(())
 }
 
-fn check_id(id: &str) -> anyhow::Result<()> {
+pub(crate) fn check_id(id: &str) -> anyhow::Result<()> {
     if !valid_id(id) {
         bail!("`{id}` is not a task id ([A-Za-z0-9_-]{{1,128}})");
     }
@@ -184,11 +189,19 @@ async fn list(
         output::line("no dead letters")?;
         return Ok(Exit::Ok);
     }
-    let mut t = Table::new(&["ID", "LABEL", "REASON", "TIME", "TASK"], colour_enabled());
+    let mut t = Table::new(
+        &["ID", "LABEL", "STATUS", "REASON", "TIME", "TASK"],
+        colour_enabled(),
+    );
     for d in &all {
         t.push(vec![
             d.id.clone(),
             d.label.clone(),
+            if d.status.is_empty() {
+                "-".into()
+            } else {
+                d.status.clone()
+            },
             output::truncate(&d.reason, 50),
             output::timestamp(d.time),
             output::truncate(&d.task, 60),
@@ -198,59 +211,9 @@ async fn list(
     Ok(Exit::Ok)
 }
 
-/// The first `<id>-r<n>` that has no result and no dead letter yet.
-async fn replay_id(conn: &Conn, id: &str) -> anyhow::Result<String> {
-    let results = conn.ensure_results().await?;
-    for n in 1..1000u32 {
-        let cand = format!("{id}-r{n}");
-        if !valid_id(&cand) {
-            bail!("cannot replay {id}: the new id {cand} would be longer than 128 characters");
-        }
-        if conn.last_result(&results, &cand).await?.is_none() {
-            return Ok(cand);
-        }
-    }
-    bail!("{id} was replayed too often (r1 to r999 all have results)")
-}
-
 async fn replay(conn: &Conn, id: &str, json: bool) -> anyhow::Result<Exit> {
-    check_id(id)?;
-    let filter = format!("{}.*.{id}", conn.names.dead_prefix);
-    let Some(d) = read(conn, filter).await?.pop() else {
-        bail!("no dead letter for {id}");
-    };
-    check_label(&d.label).map_err(|_| anyhow!("dead letter of {id} has no valid label"))?;
-    let text = std::str::from_utf8(&d.bytes)
-        .map_err(|_| anyhow!("the dead task {id} is not UTF-8 text; it cannot be replayed"))?;
-    let mut msg = parse_message(text).map_err(|e| {
-        anyhow!(
-            "the dead task {id} ({}) cannot be replayed as it is: {e}; fix it and submit it with --file",
-            d.reason
-        )
-    })?;
-    let new_id = replay_id(conn, id).await?;
-    msg.id = Some(new_id.clone());
-    let (bytes, _) = validate_locally(&d.label, &msg, Origin::Direct { msg_id: &new_id })
-        .map_err(|e| anyhow!("the dead task {id} cannot be replayed as it is: {e}"))?;
-    let subject = conn.names.task_subject(&d.label);
-    let ack = conn
-        .publish(&subject, bytes, Some(&new_id), None)
-        .await
-        .with_context(|| format!("cannot replay {id}"))?;
-    if json {
-        output::json_line(&Replayed {
-            id,
-            new_id: &new_id,
-            subject: &subject,
-            duplicate: ack.duplicate,
-        })?;
-    } else if ack.duplicate {
-        output::line(&format!(
-            "{id} was already replayed as {new_id} (still queued)"
-        ))?;
-    } else {
-        output::line(&format!("replayed {id} as {new_id} on {subject}"))?;
-    }
+    let r = super::retry::retry(conn, id).await?;
+    super::retry::print(&r, "replayed", json)?;
     Ok(Exit::Ok)
 }
 

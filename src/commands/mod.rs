@@ -15,6 +15,7 @@ pub mod logs;
 pub mod output;
 pub mod queues;
 pub mod results;
+pub mod retry;
 pub mod run;
 pub mod schedule;
 pub mod schema;
@@ -63,7 +64,9 @@ pub fn log_colour() -> bool {
     std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
-/// Set up `tracing` to stderr.
+/// Set up `tracing` to stderr: text, or JSON lines with every field
+/// (the spans' too: `worker_id`, `task_id`, …) at the top level
+/// (`crate::logfmt`).
 pub fn init_logging(log: &LogConfig) {
     let filter = tracing_subscriber::EnvFilter::try_new(&log.level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -72,9 +75,8 @@ pub fn init_logging(log: &LogConfig) {
         .with_ansi(!log.json && log_colour())
         .with_writer(std::io::stderr);
     let _ = if log.json {
-        b.json()
-            .flatten_event(true)
-            .with_current_span(true)
+        b.fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+            .event_format(crate::logfmt::FlatJson)
             .try_init()
     } else {
         b.try_init()
@@ -172,6 +174,7 @@ fn run_cli(cli: Cli) -> anyhow::Result<Exit> {
             Command::Cancel(a) => cancel::run(&ctx, a).await,
             Command::Logs(a) => logs::run(&ctx, a).await,
             Command::Dead(a) => dead::run(&ctx, a).await,
+            Command::Retry(a) => retry::run(&ctx, a).await,
             Command::Schedule(a) => schedule::run(&ctx, a).await,
             Command::Schema(a) => schema::run(&ctx, a).await,
             Command::Setup(a) => setup::run(&ctx, a).await,

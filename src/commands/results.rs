@@ -26,7 +26,7 @@ use crate::protocol::{valid_id, Status, TaskResult};
 pub struct ResultsArgs {
     /// Show every attempt of this task.
     pub id: Option<String>,
-    /// Only these statuses (comma separated: success,failed,timeout,cancelled,rejected,dead).
+    /// Only these statuses (comma separated: success,failed,timeout,cancelled,rejected,dead,expired).
     #[arg(long, value_delimiter = ',', value_name = "STATUS")]
     pub status: Vec<Status>,
     /// Only tasks of this label.

@@ -11,6 +11,11 @@
 //! server 2.12+). The spec and time zone are checked locally, so a typo
 //! fails with exit 2 before anything is published.
 //!
+//! Delayed tasks (`submit --in/--at`) are one-shot `@at` schedules on
+//! `schedules.delayed.<id>` ([`check_schedules`] and [`schedule_headers`]
+//! serve both): `ls` lists them as `delayed.<id>` until they fire, and
+//! `rm delayed.<id>` removes one before it does.
+//!
 //! `--json`: `ls` prints one object per schedule per line; `add` the new
 //! schedule as one such object; `rm` `{"name","removed":true}`.
 
@@ -29,7 +34,7 @@ use super::output::{self, colour_enabled, Table};
 use super::taskflags::{validate_locally, Origin, TaskArgs};
 use super::Exit;
 use crate::connect::server_at_least;
-use crate::protocol::{parse_duration, valid_label};
+use crate::protocol::{parse_duration, valid_id, valid_label, DELAYED_TOKEN};
 
 #[derive(Debug, Clone, Args)]
 pub struct ScheduleArgs {
@@ -260,47 +265,38 @@ pub fn spec_from_args(a: &AddArgs) -> anyhow::Result<Spec> {
         return Ok(Spec::Every(d));
     }
     if let Some(t) = &a.at {
-        let t = DateTime::parse_from_rfc3339(t).map_err(|e| {
-            anyhow!("--at: `{t}` is not an RFC3339 time like 2026-01-02T03:04:05Z ({e})")
-        })?;
-        return Ok(Spec::At(t.with_timezone(&Utc)));
+        return Ok(Spec::At(parse_at(t)?));
     }
     bail!("give one of --cron, --every or --at")
 }
 
-async fn add(ctx: &super::Ctx, a: AddArgs, json: bool) -> anyhow::Result<Exit> {
-    if !valid_label(&a.name) {
-        bail!("schedule name `{}` is not [A-Za-z0-9_-]{{1,64}}", a.name);
-    }
-    let spec = spec_from_args(&a)?;
-    let label = a.task.label()?.to_string();
-    let names = &ctx.connect.names;
-    let subject = names.schedule_subject(&a.name);
-    let target = names.task_subject(&label);
-    let msg = a.task.build()?;
-    let (bytes, _) = validate_locally(&label, &msg, Origin::Schedule { subject: &subject })?;
+/// `--at`: an RFC3339 time.
+pub fn parse_at(t: &str) -> anyhow::Result<DateTime<Utc>> {
+    let t = DateTime::parse_from_rfc3339(t).map_err(|e| {
+        anyhow!("--at: `{t}` is not an RFC3339 time like 2026-01-02T03:04:05Z ({e})")
+    })?;
+    Ok(t.with_timezone(&Utc))
+}
 
+/// The headers of a schedule message that fires into `target` per `spec`.
+pub fn schedule_headers(spec: &Spec, target: &str) -> HeaderMap {
     let mut headers = HeaderMap::new();
     headers.insert(NATS_SCHEDULE, spec.header().as_str());
-    headers.insert(NATS_SCHEDULE_TARGET, target.as_str());
-    if let Spec::Cron { tz: Some(z), .. } = &spec {
+    headers.insert(NATS_SCHEDULE_TARGET, target);
+    if let Spec::Cron { tz: Some(z), .. } = spec {
         headers.insert(NATS_SCHEDULE_TIME_ZONE, z.as_str());
     }
-    if a.dry_run {
-        output::line(&format!("subject: {subject}"))?;
-        for (k, v) in headers.iter() {
-            for v in v {
-                output::line(&format!("{k}: {v}"))?;
-            }
-        }
-        output::line(&String::from_utf8_lossy(&bytes))?;
-        return Ok(Exit::Ok);
-    }
+    headers
+}
 
-    let conn = Conn::open(ctx).await?;
+/// Check that the server and the task stream take schedules like `spec`
+/// (`@at` needs nats-server 2.12, cron and `@every` 2.14; the stream must
+/// allow message schedules), creating the streams if they are missing.
+pub async fn check_schedules(conn: &Conn, spec: &Spec) -> anyhow::Result<()> {
+    let names = &conn.names;
     let version = conn.client.server_info().version.clone();
     let (need, what) = match spec {
-        Spec::At(_) => ((2, 12), "--at schedules"),
+        Spec::At(_) => ((2, 12), "--at schedules and delayed tasks"),
         _ => ((2, 14), "--cron and --every schedules"),
     };
     if !server_at_least(&conn.client, need.0, need.1) {
@@ -320,6 +316,35 @@ async fn add(ctx: &super::Ctx, a: AddArgs, json: bool) -> anyhow::Result<Exit> {
             names.tasks_stream
         );
     }
+    Ok(())
+}
+
+async fn add(ctx: &super::Ctx, a: AddArgs, json: bool) -> anyhow::Result<Exit> {
+    if !valid_label(&a.name) {
+        bail!("schedule name `{}` is not [A-Za-z0-9_-]{{1,64}}", a.name);
+    }
+    let spec = spec_from_args(&a)?;
+    let label = a.task.label()?.to_string();
+    let names = &ctx.connect.names;
+    let subject = names.schedule_subject(&a.name);
+    let target = names.task_subject(&label);
+    let msg = a.task.build()?;
+    let (bytes, _) = validate_locally(&label, &msg, Origin::Schedule { subject: &subject })?;
+
+    let headers = schedule_headers(&spec, &target);
+    if a.dry_run {
+        output::line(&format!("subject: {subject}"))?;
+        for (k, v) in headers.iter() {
+            for v in v {
+                output::line(&format!("{k}: {v}"))?;
+            }
+        }
+        output::line(&String::from_utf8_lossy(&bytes))?;
+        return Ok(Exit::Ok);
+    }
+
+    let conn = Conn::open(ctx).await?;
+    check_schedules(&conn, &spec).await?;
     conn.publish(&subject, bytes.clone(), None, Some(headers))
         .await
         .with_context(|| format!("cannot store schedule {}", a.name))?;
@@ -435,8 +460,15 @@ async fn ls(ctx: &super::Ctx, json: bool) -> anyhow::Result<Exit> {
 }
 
 async fn rm(ctx: &super::Ctx, a: RmArgs, json: bool) -> anyhow::Result<Exit> {
-    if !valid_label(&a.name) {
-        bail!("schedule name `{}` is not [A-Za-z0-9_-]{{1,64}}", a.name);
+    let delayed = a
+        .name
+        .split_once('.')
+        .is_some_and(|(t, id)| t == DELAYED_TOKEN && valid_id(id));
+    if !valid_label(&a.name) && !delayed {
+        bail!(
+            "schedule name `{}` is not [A-Za-z0-9_-]{{1,64}} (or {DELAYED_TOKEN}.<id> for a delayed task)",
+            a.name
+        );
     }
     let conn = Conn::open(ctx).await?;
     let tasks = conn.stream(&conn.names.tasks_stream).await?;

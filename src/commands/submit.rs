@@ -4,8 +4,18 @@
 //! duplicate window queues nothing new), optionally as N shards, and with
 //! `--wait` wait for the final result(s).
 //!
+//! `--in 10m` / `--at <RFC3339>` delay a task: it is stored as a one-shot
+//! message schedule (`@at`, nats-server 2.12+) on `schedules.delayed.<id>`
+//! that the server fires into `tasks.<label>` at that time (rounded up to
+//! the second); the worker keeps the task's id for such a firing. Submitting
+//! the same id again before it fires replaces the schedule;
+//! `jetworker schedule rm delayed.<id>` removes it. `--wait` waits through
+//! the delay.
+//!
 //! Output: without `--wait`, the id of each published task, one per line
-//! (`--json`: `{"id","subject","sequence","duplicate"}` per line). With
+//! (`--json`: `{"id","subject","sequence","duplicate","at"}` per line;
+//! `subject` is the schedule's for a delayed task, `at` when it fires or
+//! null). With
 //! `--wait`, a summary line per final result, and for a single task its
 //! output (`--json`: each final result as one JSON line). Exit code 0 only
 //! if every task succeeded, 1 otherwise (including `--wait-timeout`), 2 for
@@ -19,12 +29,14 @@ use std::io::Write;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
+use chrono::{DateTime, SubsecRound, Utc};
 use clap::Args;
 use rand::distr::{Alphanumeric, SampleString};
 use serde::Serialize;
 
 use super::common::Conn;
 use super::output::{self, colour_enabled, status_text};
+use super::schedule::{check_schedules, parse_at, schedule_headers, Spec};
 use super::taskflags::{validate_locally, Origin, TaskArgs};
 use super::Exit;
 use crate::protocol::{parse_duration, Shard, Status, TaskResult};
@@ -42,6 +54,12 @@ pub struct SubmitArgs {
     /// Give up waiting after this long (exit 1); default: wait for ever.
     #[arg(long, value_name = "DURATION", requires = "wait")]
     pub wait_timeout: Option<String>,
+    /// Queue the task after this delay (10m), through a message schedule.
+    #[arg(long = "in", value_name = "DURATION", conflicts_with = "at")]
+    pub delay: Option<String>,
+    /// Queue the task at this RFC3339 time, through a message schedule.
+    #[arg(long, value_name = "TIME")]
+    pub at: Option<String>,
     /// Print JSON lines instead of text.
     #[arg(long)]
     pub json: bool,
@@ -57,6 +75,8 @@ struct Published<'a> {
     subject: &'a str,
     sequence: u64,
     duplicate: bool,
+    /// When a delayed task is queued; null for one queued now.
+    at: Option<DateTime<Utc>>,
 }
 
 /// A random task id: 16 lowercase letters and digits.
@@ -72,8 +92,16 @@ pub async fn run(ctx: &super::Ctx, args: SubmitArgs) -> anyhow::Result<Exit> {
         Some(s) => Some(parse_duration(s).map_err(|e| anyhow::anyhow!("--wait-timeout: {e}"))?),
         None => None,
     };
+    let now = Utc::now();
+    let at = delayed_until(&args, now)?;
     let base = args.task.build()?;
     let base_id = base.id.clone().unwrap_or_else(random_id);
+    if let Some(e) = &base.expires {
+        let queued = at.unwrap_or(now);
+        if DateTime::parse_from_rfc3339(e.trim()).is_ok_and(|t| t < queued) {
+            bail!("--expires: {e} is before the task is queued; it would never run");
+        }
+    }
 
     // Build and validate every task before publishing any.
     let mut tasks = Vec::new();
@@ -113,11 +141,25 @@ pub async fn run(ctx: &super::Ctx, args: SubmitArgs) -> anyhow::Result<Exit> {
     } else {
         0
     };
-    let subject = conn.names.task_subject(&label);
+    let target = conn.names.task_subject(&label);
+    let spec = at.map(Spec::At);
+    if let Some(spec) = &spec {
+        check_schedules(&conn, spec).await?;
+    }
     let ids: Vec<String> = tasks.iter().map(|(id, _)| id.clone()).collect();
     for (id, bytes) in tasks {
+        // Delayed: a one-shot schedule, replaced by a second submit (no
+        // message id: the fired copy must not look like a duplicate of it).
+        let (subject, msg_id, headers) = match &spec {
+            Some(spec) => (
+                conn.names.delayed_subject(&id),
+                None,
+                Some(schedule_headers(spec, &target)),
+            ),
+            None => (target.clone(), Some(id.as_str()), None),
+        };
         let ack = conn
-            .publish(&subject, bytes, Some(&id), None)
+            .publish(&subject, bytes, msg_id, headers)
             .await
             .with_context(|| format!("task {id}"))?;
         if args.json && !args.wait {
@@ -126,6 +168,7 @@ pub async fn run(ctx: &super::Ctx, args: SubmitArgs) -> anyhow::Result<Exit> {
                 subject: &subject,
                 sequence: ack.sequence,
                 duplicate: ack.duplicate,
+                at,
             })?;
         } else if !args.wait {
             output::line(&id)?;
@@ -137,8 +180,41 @@ pub async fn run(ctx: &super::Ctx, args: SubmitArgs) -> anyhow::Result<Exit> {
     if !args.wait {
         return Ok(Exit::Ok);
     }
+    if let Some(at) = at {
+        eprintln!(
+            "jetworker: queued at {}; waiting for the result",
+            output::timestamp(at)
+        );
+    }
     warn_if_unserved(&conn, &label).await;
     wait_and_report(&conn, &ids, since_seq, wait_timeout, args.json).await
+}
+
+/// When a delayed task is to be queued (`--in`, `--at`), or `None` for
+/// now. `--in` is rounded up to the next second (schedules fire on whole
+/// seconds), so the task never starts before the delay is over.
+fn delayed_until(args: &SubmitArgs, now: DateTime<Utc>) -> anyhow::Result<Option<DateTime<Utc>>> {
+    if let Some(d) = &args.delay {
+        let d = parse_duration(d).map_err(|e| anyhow::anyhow!("--in: {e}"))?;
+        if d.is_zero() {
+            bail!("--in: must be greater than 0 (leave it out to queue the task now)");
+        }
+        let at = now + chrono::Duration::from_std(d).context("--in: too long")?;
+        let up = if at.timestamp_subsec_nanos() > 0 {
+            chrono::Duration::seconds(1)
+        } else {
+            chrono::Duration::zero()
+        };
+        return Ok(Some(at.trunc_subsecs(0) + up));
+    }
+    if let Some(t) = &args.at {
+        let at = parse_at(t)?;
+        if at <= now {
+            bail!("--at: {t} has passed (leave it out to queue the task now)");
+        }
+        return Ok(Some(at));
+    }
+    Ok(None)
 }
 
 /// Wait for the final results of `ids`, print them, and map them to the

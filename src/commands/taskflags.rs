@@ -51,6 +51,10 @@ pub struct TaskArgs {
     /// Delay before the first retry (1s); doubles per retry.
     #[arg(long, value_name = "DURATION")]
     pub backoff: Option<String>,
+    /// Do not start the task after this: an RFC3339 time, or a duration
+    /// from when it is queued (for a schedule: from each firing).
+    #[arg(long, value_name = "WHEN")]
+    pub expires: Option<String>,
     /// Environment variable for the task (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V")]
     pub env: Vec<String>,
@@ -185,6 +189,9 @@ impl TaskArgs {
         if let Some(t) = &self.timeout {
             m.timeout = Some(t.clone());
             m.timeout_seconds = None;
+        }
+        if let Some(e) = &self.expires {
+            m.expires = Some(e.clone());
         }
         if self.retries.is_some() || self.backoff.is_some() {
             let r = m.retry.get_or_insert_with(RetryMessage::default);

@@ -13,18 +13,23 @@
 //! 4. **claim** — decided against the last record on `results.<id>` and
 //!    written with compare-and-set ([`write_after`]): a final record →
 //!    Ack without running; `running` for another message → Redeliver later;
-//!    a cancel key → final `cancelled`, Ack; attempts used up → DEAD copy,
+//!    a cancel key → final `cancelled`, Ack; past the task's `expires` →
+//!    DEAD copy, final `expired`, Ack; attempts used up → DEAD copy,
 //!    final `dead`, Terminate; otherwise `running{attempt n}`. A first
 //!    delivery assumes an empty subject, so it starts after one round trip;
 //! 5. **run** — with a progress ack every quarter of ack wait; a copy whose
 //!    lease is no longer confirmed is stopped before the broker can hand
 //!    the message to someone else ([`keep_lease`]);
-//! 6. **report** — the attempt's record, compare-and-set on the claim,
-//!    through the outbox ([`super::outbox::deliver`]);
+//! 6. **report** — a final `failed`/`timeout` (or a retry that would start
+//!    after `expires`: `expired`) first copies the original to DEAD; then
+//!    the attempt's record, compare-and-set on the claim, through the
+//!    outbox ([`super::outbox::deliver`]);
 //! 7. **answer** — [`answer`], the one place that answers the broker.
 //!
 //! Every path ends in an [`Answer`], named after what happens to the
-//! message next.
+//! message next. Every final record this worker stores is counted in one
+//! of two places: [`write_after`] (settled without a run) and [`report`]
+//! (after a run), both through [`finished`].
 
 use std::future::Future;
 use std::pin::Pin;
@@ -42,7 +47,7 @@ use super::Shared;
 use crate::output::LiveOutput;
 use crate::protocol::{
     self, best_effort_id, Envelope, Status, Task, TaskResult, TaskType, DEFAULT_MAX_ATTEMPTS,
-    HEADER_LABEL, HEADER_REASON, HEADER_SCHEDULER, HEADER_STATUS, HEADER_TASK_ID,
+    HEADER_LABEL, HEADER_REASON, HEADER_SCHEDULER, HEADER_STATUS, HEADER_TASK_ID, HEADER_TRUNCATED,
 };
 use crate::runner::{Outcome, RunContext, Stop, StopKind};
 
@@ -133,13 +138,15 @@ async fn lifecycle(
         Ok(t) => Arc::new(t),
         Err(invalid) => {
             let id = best_effort_id(&msg.payload, &env);
-            let span = info_span!("task", task_id = %id, label, delivery = d.delivered);
+            let span = info_span!("task", task_id = %id, label, attempt = d.delivered);
             return reject(sh, msg, d, label, id, invalid.to_string())
                 .instrument(span)
                 .await;
         }
     };
-    let span = info_span!("task", task_id = %task.id, label, r#type = %task.task_type());
+    // `attempt` is recorded once the claim decides it.
+    let span = info_span!("task", task_id = %task.id, label, r#type = %task.task_type(),
+        attempt = tracing::field::Empty);
     async move {
         // 2. A type this worker runs?
         if !sh.types.contains(&task.task_type()) {
@@ -176,7 +183,7 @@ async fn lifecycle(
         let (record, then) = run(sh, msg, d, &task, attempt, stop).await;
 
         // 6. Report, then 7. answer (by the caller).
-        report(sh, record, claim_seq, then).await
+        report(sh, msg, record, claim_seq, then).await
     }
     .instrument(span)
     .await
@@ -200,15 +207,17 @@ async fn other_type(sh: &Shared, msg: &jetstream::Message, d: &Delivery, task: &
             .join(",")
     );
     warn!("{error}; dead-lettering");
-    let written = write_after(sh, msg, d, &task.id, |prev| match prev_record(prev) {
-        Some(p) if p.is_final => Plan::Answer(Answer::Ack),
-        Some(p) if records::held_elsewhere(sh, p) => {
-            Plan::Answer(Answer::Redeliver(WAIT_FOR_RUNNING))
-        }
-        p => {
-            let mut r = base_result(sh, task, next_attempt(p), Status::Dead, started, d);
-            r.error = Some(error.clone());
-            Plan::Write(Box::new(r))
+    let written = write_after(sh, msg, d, &task.id, false, |prev| {
+        match prev_record(prev) {
+            Some(p) if p.is_final => Plan::Answer(Answer::Ack),
+            Some(p) if records::held_elsewhere(sh, p) => {
+                Plan::Answer(Answer::Redeliver(WAIT_FOR_RUNNING))
+            }
+            p => {
+                let mut r = base_result(sh, task, next_attempt(p), Status::Dead, started, d);
+                r.error = Some(error.clone());
+                Plan::Write(Box::new(r))
+            }
         }
     })
     .await;
@@ -228,7 +237,7 @@ async fn claim(
     task: &Task,
 ) -> Result<(u32, u64), Answer> {
     let started = Utc::now();
-    let (r, seq) = write_after(sh, msg, d, &task.id, |prev| {
+    let (r, seq) = write_after(sh, msg, d, &task.id, false, |prev| {
         let p = prev_record(prev);
         match p {
             Some(p) if p.is_final => {
@@ -252,15 +261,19 @@ async fn claim(
         let attempt = next_attempt(p);
         let mut r = base_result(sh, task, attempt, Status::Running, started, d);
         if let Some(reason) = sh.cancel_reason(&task.id) {
-            info!("cancelled before start");
             r.status = Status::Cancelled;
             r.error = Some(if reason.is_empty() {
                 "cancelled before it started".into()
             } else {
                 format!("cancelled before it started: {reason}")
             });
+        } else if task.expired_at(started) {
+            r.status = Status::Expired;
+            r.error = Some(format!(
+                "expired at {} before attempt {attempt} could start",
+                rfc3339(task.deadline)
+            ));
         } else if attempt > task.retry.max_attempts {
-            warn!("attempts used up by lost deliveries; dead-lettering");
             r.status = Status::Dead;
             r.error = Some(format!(
                 "attempt {attempt} exceeds max_attempts {}: earlier attempts were lost with their worker",
@@ -272,17 +285,32 @@ async fn claim(
         Plan::Write(Box::new(r))
     })
     .await?;
+    // Recorded once, so that every later line of the task (and the text
+    // format's span prefix) names it once.
+    tracing::Span::current().record("attempt", r.attempt);
     match r.status {
         Status::Running => Ok((r.attempt, seq)),
         Status::Dead => {
-            sh.count(r.status.as_str());
+            warn!("attempts used up by lost deliveries; dead-lettered");
             Err(Answer::Terminate)
         }
+        Status::Expired => {
+            info!(expires = %rfc3339(task.deadline), "expired before it started; dead-lettered");
+            Err(Answer::Ack)
+        }
         _ => {
-            sh.count(r.status.as_str());
+            info!(status = %r.status, "not run: {}", r.error.as_deref().unwrap_or(""));
             Err(Answer::Ack)
         }
     }
+}
+
+/// A time for a message, seconds precision (`-` for none).
+fn rfc3339(t: Option<DateTime<Utc>>) -> String {
+    t.map_or_else(
+        || "-".into(),
+        |t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+    )
 }
 
 /// What [`write_after`] should do after the last record.
@@ -297,15 +325,18 @@ enum Plan {
 
 /// Write the record that `decide` plans after the last one on
 /// `results.<id>`, with compare-and-set; on a refusal read the new last
-/// record and decide again (never a blind retry). A planned final `dead`
-/// first copies the original to DEAD, so a crash never loses it.
-/// `Ok((record, its stream sequence))`, or the answer when nothing was
-/// written.
+/// record and decide again (never a blind retry). A planned final status
+/// that keeps the original ([`Status::dead_lettered`]: `dead`, `expired`)
+/// first copies it to DEAD, so a crash never loses it, unless
+/// `original_kept` says it is there already. A stored final record is
+/// counted ([`finished`]). `Ok((record, its stream sequence))`, or the
+/// answer when nothing was written.
 async fn write_after(
     sh: &Shared,
     msg: &jetstream::Message,
     d: &Delivery,
     id: &str,
+    original_kept: bool,
     mut decide: impl FnMut(Option<&Last>) -> Plan,
 ) -> Result<(TaskResult, u64), Answer> {
     // A first delivery assumes that nothing is stored yet: when that holds
@@ -315,7 +346,7 @@ async fn write_after(
     } else {
         read_last(sh, id).await?
     };
-    let mut dead_copied = false;
+    let mut dead_copied = original_kept;
     for _ in 0..MAX_CAS_ROUNDS {
         let mut r = match decide(last.as_ref()) {
             Plan::Write(r) => *r,
@@ -325,19 +356,23 @@ async fn write_after(
             }
             Plan::Answer(a) => return Err(a),
         };
-        if r.status == Status::Dead && !dead_copied {
+        if r.is_final && r.status.dead_lettered() && !dead_copied {
             dead_copy(sh, msg, &r).await?;
             dead_copied = true;
         }
         let expected = last.as_ref().map_or(0, |l| l.seq);
         let entry = records::entry(sh, &mut r, expected, false);
         match entry.publish(&sh.js, sh.max_payload).await {
-            Ok(seq) => return Ok((r, seq)),
+            Ok(seq) => {
+                settled_without_run(sh, &r);
+                return Ok((r, seq));
+            }
             Err(PublishFailure::Refused) => {
                 last = read_last(sh, id).await?;
                 if let Some(l) = &last {
                     if l.msg_id.as_deref() == Some(entry.msg_id.as_str()) {
                         // Our own write, whose PubAck was lost.
+                        settled_without_run(sh, &r);
                         return Ok((r, l.seq));
                     }
                 }
@@ -356,6 +391,22 @@ async fn write_after(
     }
     warn!("results.{id} kept moving under us; handing the message back");
     Err(Answer::Redeliver(BROKER_RETRY))
+}
+
+/// A record [`write_after`] stored: a final one (decided without a run)
+/// is counted in the heartbeat's counts and the metrics.
+fn settled_without_run(sh: &Shared, r: &TaskResult) {
+    if r.is_final {
+        sh.count(r.status.as_str());
+        finished(sh, r);
+    }
+}
+
+/// Count a final status this worker stored (metrics
+/// `tasks_finished_total{label, type, status}`).
+fn finished(sh: &Shared, r: &TaskResult) {
+    let ty = r.task_type.map_or("unknown", |t| t.as_str());
+    sh.metrics.finished(&r.label, ty, r.status.as_str());
 }
 
 /// The last record, or the answer when the broker cannot tell.
@@ -430,19 +481,16 @@ async fn run(
         stop: stop.clone(),
         live: Some(live.clone()),
     };
-    debug!(attempt, ?timeout, "running");
+    debug!(?timeout, "running");
     let t0 = Instant::now();
     let outcome = keep_lease(sh, msg, d.received, &stop, sh.runners.run(ctx)).await;
     let elapsed = t0.elapsed();
-    sh.metrics
-        .attempts
-        .get_or_create(&crate::metrics::AttemptLabels {
-            label: task.label.clone(),
-            r#type: task.task_type().as_str().into(),
-            status: outcome.status.as_str().into(),
-        })
-        .inc();
-    sh.metrics.duration.observe(elapsed.as_secs_f64());
+    sh.metrics.attempt(
+        &task.label,
+        task.task_type().as_str(),
+        outcome.status.as_str(),
+        elapsed.as_secs_f64(),
+    );
 
     let mut r = base_result(sh, task, attempt, outcome.status, started, d);
     fill_outcome(&mut r, &outcome);
@@ -460,6 +508,7 @@ async fn run(
         }
         (Status::Cancelled, Some(StopKind::LeaseLost)) => {
             // Another delivery owns the task now: report, never answer.
+            sh.metrics.lease_lost.inc();
             r.is_final = false;
             Answer::LeaveUnanswered
         }
@@ -468,13 +517,28 @@ async fn run(
             if attempt < task.retry.max_attempts && !outcome.permanent =>
         {
             let delay = task.retry.delay_after(attempt);
-            r.is_final = false;
-            r.retry_in_ms = Some(delay.as_millis() as u64);
-            Answer::RetryIn(delay)
+            let next = Utc::now() + delay;
+            if task.expired_at(next) {
+                // Waiting for a retry that may not start is pointless: the
+                // task expires now, its last attempt's outcome kept.
+                let why = r.error.take().unwrap_or_else(|| r.status.to_string());
+                r.error = Some(format!(
+                    "{why}; not retried: attempt {} would start at {}, after the task expires at {}",
+                    attempt + 1,
+                    rfc3339(Some(next)),
+                    rfc3339(task.deadline)
+                ));
+                r.status = Status::Expired;
+                Answer::Ack
+            } else {
+                r.is_final = false;
+                r.retry_in_ms = Some(delay.as_millis() as u64);
+                Answer::RetryIn(delay)
+            }
         }
         _ => Answer::Ack,
     };
-    info!(status = %r.status, r#final = r.is_final, attempt, duration_ms = r.duration_ms,
+    info!(status = %r.status, r#final = r.is_final, duration_ms = r.duration_ms,
         exit_code = r.exit_code.map(|c| c.to_string()).unwrap_or_default(),
         error = r.error.as_deref().unwrap_or(""), "attempt finished");
     sh.count(r.status.as_str());
@@ -565,10 +629,34 @@ async fn keep_lease<F: Future<Output = Outcome>>(
 /// Step 6: store the attempt's record after the claim (compare-and-set on
 /// the claim's sequence), through the outbox. A refusal means the claim
 /// was taken over (our lease was lost): the record is dropped.
-async fn report(sh: &Shared, mut r: TaskResult, claim_seq: u64, then: Answer) -> Answer {
+///
+/// A final record whose status keeps the original (`failed`, `timeout`,
+/// `expired`: [`Status::dead_lettered`]) first copies it to DEAD, as a
+/// `dead` claim does, so that `jetworker retry` can run it again; a crash
+/// between the two leaves a copy and a `running` claim, which the
+/// redelivery takes over as the next attempt (attempts used up: `dead`,
+/// whose copy the duplicate window folds into this one). A copy the
+/// broker cannot take now stays in the outbox ahead of the record.
+async fn report(
+    sh: &Shared,
+    msg: &jetstream::Message,
+    mut r: TaskResult,
+    claim_seq: u64,
+    then: Answer,
+) -> Answer {
+    if r.is_final && r.status.dead_lettered() {
+        // Err only when the outbox keeps it (shutdown, broker gone): the
+        // record below then waits there too, after it.
+        let _ = dead_copy(sh, msg, &r).await;
+    }
     let entry = records::entry(sh, &mut r, claim_seq, true);
     match outbox::deliver(sh, &entry, None).await {
-        Delivered::Stored => then,
+        Delivered::Stored => {
+            if r.is_final {
+                finished(sh, &r);
+            }
+            then
+        }
         Delivered::Superseded(last) if last.as_ref().is_some_and(|l| l.is_final()) => Answer::Ack,
         Delivered::Superseded(_) | Delivered::Kept => Answer::LeaveUnanswered,
         Delivered::Dropped(why) => {
@@ -604,9 +692,8 @@ pub(crate) async fn answer(sh: &Shared, msg: &jetstream::Message, a: Answer) {
 /// answer when it could not be stored yet. A message too large to copy
 /// whole keeps as much as fits and says so (`Jetworker-Truncated`).
 async fn dead_copy(sh: &Shared, msg: &jetstream::Message, r: &TaskResult) -> Result<(), Answer> {
-    let reason = r.error.clone().unwrap_or_default();
     let mut headers = vec![
-        (HEADER_REASON.to_string(), one_line(&reason)),
+        (HEADER_REASON.to_string(), one_line(&dead_reason(r))),
         (HEADER_TASK_ID.to_string(), r.id.clone()),
         (HEADER_LABEL.to_string(), r.label.clone()),
         (HEADER_STATUS.to_string(), r.status.as_str().to_string()),
@@ -632,8 +719,28 @@ async fn dead_copy(sh: &Shared, msg: &jetstream::Message, r: &TaskResult) -> Res
     }
 }
 
-/// Header on a DEAD copy that kept only the head of the original.
-pub(crate) const HEADER_TRUNCATED: &str = "Jetworker-Truncated";
+/// The `Jetworker-Reason` of a DEAD copy: the record's error, or for an
+/// attempt that failed without one what it came to (`exit 3`).
+fn dead_reason(r: &TaskResult) -> String {
+    let detail = r.error.clone().unwrap_or_else(|| {
+        if let Some(c) = r.exit_code {
+            format!("exit {c}")
+        } else if let Some(s) = &r.signal {
+            format!("killed by {s}")
+        } else if let Some(h) = r.http_status {
+            format!("HTTP {h}")
+        } else {
+            r.status.to_string()
+        }
+    });
+    match r.status {
+        Status::Failed | Status::Timeout => format!(
+            "{} on attempt {}/{}: {detail}",
+            r.status, r.attempt, r.max_attempts
+        ),
+        _ => detail,
+    }
+}
 
 /// Shorten a DEAD copy's payload until the whole message fits the
 /// server's `max_payload`, saying how much was kept.
@@ -692,7 +799,6 @@ async fn reject(
     problem: String,
 ) -> Answer {
     warn!(%problem, "rejected task");
-    sh.count(Status::Rejected.as_str());
     let task_type = serde_json::from_slice::<serde_json::Value>(&msg.payload)
         .ok()
         .and_then(|v| {
@@ -715,7 +821,7 @@ async fn reject(
     if let Err(a) = dead_copy(sh, msg, &r).await {
         return a;
     }
-    let written = write_after(sh, msg, d, &id, |prev| match prev_record(prev) {
+    let written = write_after(sh, msg, d, &id, true, |prev| match prev_record(prev) {
         Some(p) if p.is_final || records::held_elsewhere(sh, p) => {
             info!(status = %p.status, "the id belongs to another task; its record stays");
             Plan::Answer(Answer::Terminate)

@@ -38,7 +38,7 @@ use rand::Rng;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, info, warn, Instrument};
 
 use crate::config::{ConfigError, WorkerConfig};
 use crate::metrics::Metrics;
@@ -114,6 +114,13 @@ impl Shared {
 
     fn counts(&self) -> BTreeMap<String, u64> {
         self.counts.lock().unwrap().clone()
+    }
+
+    /// Tell the metrics what the outbox holds now (after each store and
+    /// removal).
+    fn outbox_changed(&self) {
+        let (entries, oldest) = self.outbox.stats();
+        self.metrics.set_outbox(entries, oldest);
     }
 
     /// The reason of a cancel key for `id`, if there is one.
@@ -209,8 +216,17 @@ fn random_suffix() -> String {
 /// restart. Transient broker trouble at start (JetStream not ready, API
 /// timeouts, no responders) is retried here with backoff, not returned.
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    crate::process::protect_secrets();
     let id = format!("{}-{}", cfg.name, random_suffix());
+    crate::logfmt::set_worker_id(&id);
+    // Every log line of this worker's life carries its id: the span is
+    // entered here and passed on to everything it spawns.
+    let span = tracing::info_span!("worker", worker_id = %id);
+    run_as(cfg, shutdown, id).instrument(span).await
+}
+
+/// [`run`], inside the worker's span.
+async fn run_as(cfg: WorkerConfig, shutdown: CancellationToken, id: String) -> anyhow::Result<()> {
+    crate::process::protect_secrets();
     let hostname = hostname::get()
         .ok()
         .and_then(|h| h.into_string().ok())
@@ -224,6 +240,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let _ = rustls::crypto::ring::default_provider().install_default();
 
     let metrics = Arc::new(Metrics::new());
+    metrics.slots.set(cfg.slots as i64);
     // Bound before anything else: an address that cannot be bound is a
     // configuration error (exit 2), and /healthz answers (and /readyz says
     // "not ready") while the worker still waits for NATS.
@@ -378,31 +395,25 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         watchdog: Mutex::new(watchdog),
         cfg,
     });
-    info!(worker_id = %sh.id, labels = ?sh.cfg.labels, slots = sh.cfg.slots,
+    info!(labels = ?sh.cfg.labels, slots = sh.cfg.slots,
         types = ?sh.types.iter().map(|t| t.as_str()).collect::<Vec<_>>(),
         ack_wait = ?sh.ack_wait, "worker started");
 
     let background = CancellationToken::new();
     let first_beat = CancellationToken::new();
-    let hb = tokio::spawn(heartbeat::beat(
-        sh.clone(),
-        background.clone(),
-        first_beat.clone(),
-    ));
+    let hb = tokio::spawn(
+        heartbeat::beat(sh.clone(), background.clone(), first_beat.clone()).in_current_span(),
+    );
     // Cancel keys and heartbeats are read before any pulling, so that the
     // first task already sees a cancel put while it was queued.
     let cancels_current = CancellationToken::new();
     let workers_current = CancellationToken::new();
-    tokio::spawn(watch_cancels(
-        sh.clone(),
-        background.clone(),
-        cancels_current.clone(),
-    ));
-    tokio::spawn(watch_workers(
-        sh.clone(),
-        background.clone(),
-        workers_current.clone(),
-    ));
+    tokio::spawn(
+        watch_cancels(sh.clone(), background.clone(), cancels_current.clone()).in_current_span(),
+    );
+    tokio::spawn(
+        watch_workers(sh.clone(), background.clone(), workers_current.clone()).in_current_span(),
+    );
     let caught_up = async {
         cancels_current.cancelled().await;
         workers_current.cancelled().await;
@@ -426,7 +437,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
         .is_err()
     {
         warn!("outbox not empty after 10s; delivering it in the background");
-        tokio::spawn(replay_outbox(sh.clone()));
+        tokio::spawn(replay_outbox(sh.clone()).in_current_span());
     }
 
     let tracker = TaskTracker::new();
@@ -446,14 +457,17 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     ));
     let mut pullers = Vec::new();
     for (label, consumer) in consumers {
-        pullers.push(tokio::spawn(pull_loop(
-            sh.clone(),
-            label,
-            consumer,
-            sem.clone(),
-            tracker.clone(),
-            per_pull,
-        )));
+        pullers.push(tokio::spawn(
+            pull_loop(
+                sh.clone(),
+                label,
+                consumer,
+                sem.clone(),
+                tracker.clone(),
+                per_pull,
+            )
+            .in_current_span(),
+        ));
     }
 
     shutdown.cancelled().await;
@@ -513,7 +527,7 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let _ = tokio::time::timeout(wait, sh.live_client.flush()).await;
     sh.watchdog.lock().unwrap().take();
     sh.runners.process.cleanup();
-    info!(worker_id = %sh.id, "worker stopped");
+    info!("worker stopped");
     Ok(())
 }
 
@@ -533,11 +547,13 @@ struct StartUp {
 /// responders), because a restart would not do better.
 async fn start_up(cfg: &WorkerConfig, id: &str, conn: Arc<ConnState>) -> anyhow::Result<StartUp> {
     let c2 = conn.clone();
+    let span = tracing::Span::current();
     let client = crate::connect::connect_worker(
         &cfg.connect,
         id,
         cfg.ack_wait,
-        Arc::new(move |e| c2.on_event(&e)),
+        // The client calls back from its own task: log in the worker's span.
+        Arc::new(move |e| span.in_scope(|| c2.on_event(&e))),
     )
     .await?;
     conn.set_connected();
@@ -709,10 +725,13 @@ async fn pull_loop(
                     };
                     let sh = sh.clone();
                     let label = label.clone();
-                    tracker.spawn(async move {
-                        lifecycle::handle(sh, label, msg).await;
-                        drop(permit);
-                    });
+                    tracker.spawn(
+                        async move {
+                            lifecycle::handle(sh, label, msg).await;
+                            drop(permit);
+                        }
+                        .in_current_span(),
+                    );
                 }
                 Err(e) => {
                     // Expiry ends a batch without an error; this is the
@@ -836,9 +855,10 @@ async fn replay_outbox(sh: Arc<Shared>) {
     if pending.is_empty() {
         return;
     }
+    sh.outbox_changed();
     info!(entries = pending.len(), "delivering the outbox");
     for (path, entry) in pending {
         outbox::deliver(&sh, &entry, Some(path)).await;
     }
-    sh.metrics.outbox.set(sh.outbox.len() as i64);
+    sh.outbox_changed();
 }

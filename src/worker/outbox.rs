@@ -224,7 +224,7 @@ fn keep(
     }
     match sh.outbox.store(entry) {
         Ok(p) => {
-            sh.metrics.outbox.set(sh.outbox.len() as i64);
+            sh.outbox_changed();
             Some(p)
         }
         Err(err) => {
@@ -255,7 +255,7 @@ async fn backoff(sh: &Shared, delay: &mut Duration) -> bool {
 fn finish(sh: &Shared, file: Option<PathBuf>, d: Delivered) -> Delivered {
     if let Some(p) = file {
         sh.outbox.remove(&p);
-        sh.metrics.outbox.set(sh.outbox.len() as i64);
+        sh.outbox_changed();
     }
     d
 }
@@ -336,6 +336,25 @@ impl Outbox {
         }
         v.sort_by_key(|a| a.0);
         v.into_iter().map(|(_, p, e)| (p, e)).collect()
+    }
+
+    /// Number of entries waiting and when the oldest was written.
+    pub fn stats(&self) -> (usize, Option<std::time::SystemTime>) {
+        let Ok(rd) = std::fs::read_dir(&self.dir) else {
+            return (0, None);
+        };
+        let mut n = 0;
+        let mut oldest: Option<std::time::SystemTime> = None;
+        for d in rd.flatten() {
+            if d.path().extension().and_then(|s| s.to_str()) != Some("msg") {
+                continue;
+            }
+            n += 1;
+            if let Ok(t) = d.metadata().and_then(|m| m.modified()) {
+                oldest = Some(oldest.map_or(t, |o| o.min(t)));
+            }
+        }
+        (n, oldest)
     }
 
     /// Number of entries waiting.

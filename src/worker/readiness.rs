@@ -79,12 +79,18 @@ impl ConnState {
     pub(crate) fn on_event(&self, e: &async_nats::Event) {
         match e {
             async_nats::Event::Connected => {
-                self.generation.fetch_add(1, Ordering::SeqCst);
+                // The first connection is counted by set_connected at
+                // start-up; every Connected event after it is a reconnect.
+                if self.generation.fetch_add(1, Ordering::SeqCst) > 0 {
+                    self.metrics.reconnects.inc();
+                }
                 self.connected.store(true, Ordering::SeqCst);
+                self.metrics.connected.set(1);
                 info!("connected to NATS");
             }
             async_nats::Event::Disconnected => {
                 self.connected.store(false, Ordering::SeqCst);
+                self.metrics.connected.set(0);
                 warn!("disconnected from NATS; reconnecting");
             }
             other => debug!(event = %other, "NATS event"),
@@ -95,6 +101,7 @@ impl ConnState {
     /// Connected, as the start-up sees it before any event arrives.
     pub(crate) fn set_connected(&self) {
         self.connected.store(true, Ordering::SeqCst);
+        self.metrics.connected.set(1);
     }
 
     pub fn is_connected(&self) -> bool {

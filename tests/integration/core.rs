@@ -447,12 +447,7 @@ async fn sigterm_drains_running_tasks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_health_endpoints() {
     let srv = NatsServer::start();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let addr = free_addr();
     let _w = InProcWorker::start(|c| c.metrics_addr = Some(addr), &srv.url());
     let js = srv.js().await;
     publish_task(
@@ -462,16 +457,7 @@ async fn metrics_and_health_endpoints() {
     )
     .await;
     final_result(&js, "m1", T).await;
-    let get = |path: &'static str| async move {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-            .await
-            .ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.ok()?;
-        Some(out)
-    };
+    let get = |path: &'static str| http_get(addr, path);
     let ready = wait_for(T, "readyz", || async {
         get("/readyz")
             .await

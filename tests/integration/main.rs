@@ -19,5 +19,6 @@ mod proxy;
 mod readme;
 mod runner_ctx;
 mod soak;
+mod steer;
 mod util;
 mod wire;
