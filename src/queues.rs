@@ -48,8 +48,8 @@ pub struct QueueStats {
     /// Tasks not handed to any worker yet (the consumer's `num_pending`).
     pub waiting: u64,
     /// Tasks handed out and not answered yet (`num_ack_pending`): running
-    /// on a worker, or waiting there for a retry's backoff after a failed
-    /// attempt.
+    /// on a worker, or Nak'ed (a retry's backoff after a failed attempt, a
+    /// hand-back at a worker's shutdown) and not handed out again yet.
     pub running: usize,
     /// Tasks the broker handed out again after a Nak or an expired lease
     /// (`num_redelivered`; retries, hand-backs and takeovers).

@@ -34,32 +34,6 @@ const LONG_EVERY: u64 = 12;
 /// The workers' `--ack-wait`.
 const ACK_WAIT: &str = "8s";
 
-/// A free loopback port for a worker's metrics endpoint.
-fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
-/// GET `path` on a worker's metrics endpoint: the status code.
-async fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
-        .await
-        .ok()?
-        .ok()?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .ok()?;
-    let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut out))
-        .await
-        .ok()?
-        .ok()?;
-    out.split_whitespace().nth(1)?.parse().ok()
-}
-
 /// One drill at a time: each is a 3-node cluster, three workers and a load,
 /// as much as a 2-core machine carries beside the rest of the suite.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());

@@ -13,45 +13,16 @@ use serde_json::Value;
 use crate::cli::{assert_exit, jw, jw_command, stderr, stdout};
 use crate::proxy::Proxy;
 use crate::util::{
-    final_result, last_result, publish_task, wait_for, InProcWorker, NatsServer, ProcOpts,
-    ProcWorker,
+    final_result, free_addr, http_get, http_status, last_result, publish_task, wait_for,
+    InProcWorker, NatsServer, ProcOpts, ProcWorker,
 };
 
 const T: Duration = Duration::from_secs(30);
 
-/// A free loopback address for a worker's metrics endpoint.
-fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
-/// GET `path`: the status code and the body (`None`: no answer).
-async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let connect = tokio::net::TcpStream::connect(addr);
-    let mut s = tokio::time::timeout(Duration::from_secs(2), connect)
-        .await
-        .ok()?
-        .ok()?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .ok()?;
-    let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut out))
-        .await
-        .ok()?
-        .ok()?;
-    let code = out.split_whitespace().nth(1)?.parse().ok()?;
-    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
-    Some((code, body))
-}
-
 /// Poll `/readyz` until it answers `code`.
 async fn readyz_becomes(addr: SocketAddr, code: u16, timeout: Duration) {
     wait_for(timeout, &format!("/readyz {code}"), || async {
-        (http_get(addr, "/readyz").await.map(|(c, _)| c) == Some(code)).then_some(())
+        (http_status(addr, "/readyz").await == Some(code)).then_some(())
     })
     .await
 }
@@ -365,7 +336,7 @@ async fn pause_stops_delivery_and_resume_restarts_it() {
     })
     .await;
     // Paused is not unready: the worker pulls, the server answers.
-    assert_eq!(http_get(addr, "/readyz").await.unwrap().0, 200);
+    assert_eq!(http_status(addr, "/readyz").await, Some(200));
 
     let o = jw(&url, &["resume", "default", "--json"]).await;
     assert_exit(&o, 0);

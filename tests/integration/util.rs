@@ -180,6 +180,41 @@ impl Drop for NatsServer {
     }
 }
 
+/// A free loopback address (for a worker's metrics endpoint).
+pub fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// GET `path` over HTTP/1.0: the status code and the body (`None`: no
+/// answer within 2 s).
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let connect = tokio::net::TcpStream::connect(addr);
+    let mut s = tokio::time::timeout(Duration::from_secs(2), connect)
+        .await
+        .ok()?
+        .ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut out = String::new();
+    tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut out))
+        .await
+        .ok()?
+        .ok()?;
+    let code = out.split_whitespace().nth(1)?.parse().ok()?;
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
+    Some((code, body))
+}
+
+/// GET `path`: the status code only.
+pub async fn http_status(addr: std::net::SocketAddr, path: &str) -> Option<u16> {
+    http_get(addr, path).await.map(|(c, _)| c)
+}
+
 /// Poll `f` until it returns `Some`, or panic after `timeout` with `what`.
 pub async fn wait_for<T, F, Fut>(timeout: Duration, what: &str, mut f: F) -> T
 where
