@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, AckKind};
 use async_nats::HeaderMap;
 use chrono::{DateTime, Utc};
-use tracing::{debug, info, info_span, warn, Instrument};
+use tracing::{debug, error_span, info, warn, Instrument};
 
 use super::outbox::{self, Delivered, Entry, PublishFailure};
 use super::records::{self, Last};
@@ -138,14 +138,16 @@ async fn lifecycle(
         Ok(t) => Arc::new(t),
         Err(invalid) => {
             let id = best_effort_id(&msg.payload, &env);
-            let span = info_span!("task", task_id = %id, label, attempt = d.delivered);
+            let span = error_span!("task", task_id = %id, label, attempt = d.delivered);
             return reject(sh, msg, d, label, id, invalid.to_string())
                 .instrument(span)
                 .await;
         }
     };
     // `attempt` is recorded once the claim decides it.
-    let span = info_span!("task", task_id = %task.id, label, r#type = %task.task_type(),
+    // At error level, like the worker's span, so that it is enabled
+    // whatever the log level: a warning about a task names the task.
+    let span = error_span!("task", task_id = %task.id, label, r#type = %task.task_type(),
         attempt = tracing::field::Empty);
     async move {
         // 2. A type this worker runs?

@@ -219,8 +219,10 @@ pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Resu
     let id = format!("{}-{}", cfg.name, random_suffix());
     crate::logfmt::set_worker_id(&id);
     // Every log line of this worker's life carries its id: the span is
-    // entered here and passed on to everything it spawns.
-    let span = tracing::info_span!("worker", worker_id = %id);
+    // entered here and passed on to everything it spawns. Error level:
+    // a span is left out when the log level filters out its own level, and
+    // this one must be there at any level.
+    let span = tracing::error_span!("worker", worker_id = %id);
     run_as(cfg, shutdown, id).instrument(span).await
 }
 

@@ -60,6 +60,43 @@ fn json_lines(s: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// A shell task with a misspelt field: rejected, its type still readable.
+fn misspelt(id: &str) -> String {
+    format!(r#"{{"id":"{id}","type":"shell","payload":"true","timout":"1s"}}"#)
+}
+
+/// A command task with one attempt: `dead` where only shell tasks run.
+fn command_once(id: &str) -> String {
+    format!(
+        r#"{{"id":"{id}","type":"command","command":"/bin/true","retry":{{"max_attempts":1}}}}"#
+    )
+}
+
+/// A worker (the binary) logging JSON at `level` to a file in `dir`.
+fn json_worker(url: &str, dir: &Path, extra: &[&str], level: &'static str) -> ProcWorker {
+    let mut args = vec!["--log-format", "json"];
+    args.extend_from_slice(extra);
+    ProcWorker::start_opts(
+        url,
+        &dir.join("state"),
+        &args,
+        &ProcOpts {
+            log: Some(dir.join("worker.log")),
+            log_level: Some(level),
+            ..Default::default()
+        },
+    )
+}
+
+/// Stop a [`json_worker`] (SIGTERM, exit 0); its log, and the log's lines.
+async fn stop_and_read(mut w: ProcWorker, dir: &Path) -> (String, Vec<serde_json::Value>) {
+    w.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(w.wait_exit(T).await, Some(0));
+    let text = std::fs::read_to_string(dir.join("worker.log")).unwrap();
+    let lines = json_lines(&text);
+    (text, lines)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_task_is_kept_in_dead_and_retried_under_a_new_id() {
     let srv = NatsServer::start();
@@ -388,19 +425,9 @@ async fn every_final_status_is_counted_with_label_and_type() {
     let past = serde_json::json!({"expires": "2020-01-01T00:00:00Z"});
     publish_task(&js, "default", &shell("x-1", "true", past)).await;
     // Invalid (a misspelt field): rejected; its type is still readable.
-    publish_task(
-        &js,
-        "default",
-        r#"{"id":"r-1","type":"shell","payload":"true","timout":"1s"}"#,
-    )
-    .await;
+    publish_task(&js, "default", &misspelt("r-1")).await;
     // A type nobody runs, one attempt: dead.
-    publish_task(
-        &js,
-        "default",
-        r#"{"id":"d-1","type":"command","command":"/bin/true","retry":{"max_attempts":1}}"#,
-    )
-    .await;
+    publish_task(&js, "default", &command_once("d-1")).await;
     // Cancelled while it runs.
     publish_task(&js, "default", &shell("c-2", "sleep 30", once())).await;
     wait_for(T, "c-2 running", || async {
@@ -468,19 +495,8 @@ async fn every_final_status_is_counted_with_label_and_type() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_log_lines_carry_flat_task_fields() {
     let srv = NatsServer::start();
-    let url = srv.url();
-    let state = tempfile::tempdir().unwrap();
-    let log = state.path().join("worker.log");
-    let mut w = ProcWorker::start_opts(
-        &url,
-        &state.path().join("s"),
-        &["--log-format", "json"],
-        &ProcOpts {
-            log: Some(log.clone()),
-            log_level: Some("info,jetworker=debug"),
-            ..Default::default()
-        },
-    );
+    let dir = tempfile::tempdir().unwrap();
+    let w = json_worker(&srv.url(), dir.path(), &[], "info,jetworker=debug");
     let js = srv.js().await;
     publish_task(&js, "default", &shell("j-1", "echo hi", once())).await;
     let retried = serde_json::json!({"retry": {"max_attempts": 2, "backoff": "100ms"}});
@@ -491,11 +507,7 @@ async fn json_log_lines_carry_flat_task_fields() {
         heartbeats(&js).await?.first().map(|h| h.id.clone())
     })
     .await;
-    w.signal(nix::sys::signal::Signal::SIGTERM);
-    assert_eq!(w.wait_exit(T).await, Some(0));
-
-    let text = std::fs::read_to_string(&log).unwrap();
-    let lines = json_lines(&text);
+    let (text, lines) = stop_and_read(w, dir.path()).await;
     assert!(lines.len() > 5, "{text}");
     for l in &lines {
         assert_eq!(l["worker_id"], worker_id.as_str(), "{l}");
@@ -535,4 +547,35 @@ async fn json_log_lines_carry_flat_task_fields() {
             .any(|l| l["message"] == "running" && l["task_id"] == "j-2" && l["attempt"] == 2),
         "{text}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_log_lines_name_the_task_at_warn_level_too() {
+    let srv = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let w = json_worker(&srv.url(), dir.path(), &["--types", "shell"], "warn");
+    let js = srv.js().await;
+    // Each gets a warning inside its task: rejected; a type nobody runs.
+    publish_task(&js, "default", &misspelt("w-1")).await;
+    publish_task(&js, "default", &command_once("w-2")).await;
+    assert_eq!(final_result(&js, "w-1", T).await.status, Status::Rejected);
+    assert_eq!(final_result(&js, "w-2", T).await.status, Status::Dead);
+    let (text, lines) = stop_and_read(w, dir.path()).await;
+    for (id, message) in [("w-1", "rejected task"), ("w-2", "no online worker")] {
+        let l = lines
+            .iter()
+            .find(|l| l["message"].as_str().unwrap_or("").starts_with(message))
+            .unwrap_or_else(|| panic!("no line {message:?} in {text}"));
+        assert_eq!(
+            (l["task_id"].as_str(), l["label"].as_str()),
+            (Some(id), Some("default")),
+            "{l}"
+        );
+        assert!(
+            l["worker_id"]
+                .as_str()
+                .is_some_and(|w| w.starts_with("proc-")),
+            "{l}"
+        );
+    }
 }
