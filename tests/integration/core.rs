@@ -458,16 +458,14 @@ async fn metrics_and_health_endpoints() {
     .await;
     final_result(&js, "m1", T).await;
     let get = |path: &'static str| http_get(addr, path);
-    let ready = wait_for(T, "readyz", || async {
-        get("/readyz")
-            .await
-            .filter(|r| r.starts_with("HTTP/1.0 200"))
+    let (_, ready) = wait_for(T, "readyz", || async {
+        get("/readyz").await.filter(|(code, _)| *code == 200)
     })
     .await;
-    assert!(ready.ends_with("ready\n"));
-    assert!(get("/healthz").await.unwrap().starts_with("HTTP/1.0 200"));
-    let m = wait_for(T, "attempt counter", || async {
-        get("/metrics").await.filter(|m| {
+    assert!(ready.ends_with("ready\n"), "{ready}");
+    assert_eq!(get("/healthz").await.map(|(c, _)| c), Some(200));
+    let (_, m) = wait_for(T, "attempt counter", || async {
+        get("/metrics").await.filter(|(_, m)| {
             m.contains(
                 r#"jetworker_attempts_total{label="default",type="shell",status="success"} 1"#,
             )

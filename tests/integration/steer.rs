@@ -479,7 +479,7 @@ async fn every_final_status_is_counted_with_label_and_type() {
     );
     // Counted once the record is stored: poll until every line is there.
     let m = wait_for(T, "every final status in /metrics", || async {
-        let m = http_get(addr, "/metrics").await?;
+        let (_, m) = http_get(addr, "/metrics").await?;
         lines.iter().all(|l| m.contains(l.as_str())).then_some(m)
     })
     .await;

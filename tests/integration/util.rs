@@ -541,27 +541,6 @@ pub fn pid_alive(pid: i32) -> bool {
     }
 }
 
-/// A local address nothing listens on yet (for `--metrics-addr`).
-pub fn free_addr() -> std::net::SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
-/// `GET path` over HTTP/1.0: the whole response (status line, headers,
-/// body), or `None` while nothing answers.
-pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.ok()?;
-    Some(out)
-}
-
 /// The environment variable that turns every skipped test into a failure.
 pub const NO_SKIP_ENV: &str = "JETWORKER_NO_SKIP";
 
