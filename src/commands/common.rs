@@ -280,27 +280,40 @@ impl Conn {
         let mut pending: std::collections::BTreeSet<&str> =
             ids.iter().map(String::as_str).collect();
         let mut done = std::collections::BTreeMap::new();
-        let mut reader = if ids.len() <= MAX_FILTERS {
-            let filters = ids.iter().map(|i| self.names.result_subject(i)).collect();
-            OrderedReader::open(&results, filters, DeliverPolicy::LastPerSubject).await?
-        } else {
-            for id in ids {
-                if let Some(r) = self.last_result(&results, id).await? {
-                    if r.is_final && pending.remove(id.as_str()) {
-                        on_result(&r);
-                        done.insert(id.clone(), r);
-                    }
-                }
+        // Results stored before the submit (a finished id submitted again)
+        // are read once; everything after it in order, so that no retry
+        // note stored before the reader opened is missed.
+        for id in ids {
+            let last = match results
+                .direct_get_last_for_subject(self.names.result_subject(id))
+                .await
+            {
+                Ok(m) if m.sequence <= since_seq => m,
+                Ok(_) => continue, // stored since: the reader below has it
+                Err(e) if e.kind() == DirectGetErrorKind::NotFound => continue,
+                Err(e) => return Err(anyhow!(e).context(format!("cannot read the result of {id}"))),
+            };
+            let Ok(r) = parse_result(&last.payload) else {
+                continue;
+            };
+            if r.is_final && pending.remove(id.as_str()) {
+                on_result(&r);
+                done.insert(id.clone(), r);
             }
-            OrderedReader::open(
-                &results,
-                vec![format!("{}.>", self.names.results_prefix)],
-                DeliverPolicy::ByStartSequence {
-                    start_sequence: since_seq + 1,
-                },
-            )
-            .await?
+        }
+        let filters = if ids.len() <= MAX_FILTERS {
+            ids.iter().map(|i| self.names.result_subject(i)).collect()
+        } else {
+            vec![format!("{}.>", self.names.results_prefix)]
         };
+        let mut reader = OrderedReader::open(
+            &results,
+            filters,
+            DeliverPolicy::ByStartSequence {
+                start_sequence: since_seq + 1,
+            },
+        )
+        .await?;
         while !pending.is_empty() {
             let next = match deadline {
                 Some(d) => match tokio::time::timeout_at(d, reader.next()).await {
