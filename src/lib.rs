@@ -18,6 +18,8 @@
 //! - [`runner`]: one runner per task type; [`process`] (process groups,
 //!   signals, rlimits) and [`output`] (bounded capture) serve them.
 //! - [`metrics`]: Prometheus `/metrics`, `/healthz`, `/readyz`.
+//! - [`queues`]: the label queues as operators see and steer them (stats,
+//!   pause, resume), shared by the CLI and any other front end.
 
 pub mod cgroup;
 pub mod commands;
@@ -27,6 +29,7 @@ pub mod metrics;
 pub mod output;
 pub mod process;
 pub mod protocol;
+pub mod queues;
 pub mod runner;
 pub mod setup;
 pub mod suggest;

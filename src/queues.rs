@@ -1,0 +1,352 @@
+//! The operator's view of the label queues and the switch to stop one:
+//! what `jetworker queues`, `pause`, `resume` and `workers` show and do,
+//! kept here (not in `commands`) so that every front end — the CLI, a web
+//! dashboard — reads the same numbers the same way. Every type is
+//! `Serialize`: a front end can send it as JSON unchanged.
+//!
+//! A label's queue is its durable consumer on the task stream
+//! ([`Names::consumer_name`], the one name the worker creates in
+//! [`crate::setup::ensure_label_consumer`]); the numbers come from that
+//! consumer's info, read for all labels with one paged request
+//! (`CONSUMER.LIST`), and who serves it from the heartbeats in KV
+//! `workers` (DESIGN.md section 6). Pausing is the server's consumer pause
+//! (nats-server 2.11): a paused consumer hands out nothing until its pause
+//! time passes or it is resumed, so every worker of the label stops taking
+//! its tasks at once, running tasks go on, and nothing is lost.
+
+use std::collections::BTreeMap;
+
+use anyhow::{anyhow, bail, Context as _};
+use async_nats::jetstream::{
+    self,
+    consumer::Info as ConsumerInfo,
+    context::ConsumerInfoErrorKind,
+    kv,
+    stream::{RawMessageErrorKind, Stream},
+};
+use chrono::{DateTime, Utc};
+use futures::StreamExt;
+use serde::Serialize;
+
+use crate::protocol::{chrono_time, valid_label, Heartbeat, Names};
+
+/// One label's queue, as `jetworker queues --json` prints it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct QueueStats {
+    pub label: String,
+    /// Tasks not handed to any worker yet (the consumer's `num_pending`).
+    pub waiting: u64,
+    /// Tasks handed out and not answered yet (`num_ack_pending`): running
+    /// on a worker, or waiting there for a retry's backoff after a failed
+    /// attempt.
+    pub running: usize,
+    /// Tasks the broker handed out again after a Nak or an expired lease
+    /// (`num_redelivered`; retries, hand-backs and takeovers).
+    pub redelivered: usize,
+    /// When the oldest waiting task was published (`None`: nothing waits).
+    pub oldest_waiting_at: Option<DateTime<Utc>>,
+    /// How long it has waited, in milliseconds, when the stats were read.
+    pub oldest_waiting_ms: Option<u64>,
+    /// Whether the consumer is paused: its workers take nothing new.
+    pub paused: bool,
+    /// When the pause ends by itself (`None` while paused: until
+    /// `resume`).
+    pub paused_until: Option<DateTime<Utc>>,
+    /// Whether the label's consumer exists (a worker created it or
+    /// `setup` did); a label known only from a heartbeat has none yet.
+    pub consumer: bool,
+    /// Online workers serving the label (their ids).
+    pub workers: Vec<String>,
+    /// Slots of those workers together.
+    pub slots: usize,
+}
+
+/// A pause time this far ahead is shown (and sent as JSON) as "until
+/// resumed": [`pause`] without a duration pauses until [`PAUSE_FOREVER`].
+const FOREVER_THRESHOLD_DAYS: i64 = 365 * 50;
+
+/// The pause time of a pause without an end: far enough to mean "until
+/// `resume`", early enough for every client's date arithmetic.
+pub fn pause_forever() -> DateTime<Utc> {
+    DateTime::parse_from_rfc3339(PAUSE_FOREVER)
+        .expect("valid constant")
+        .with_timezone(&Utc)
+}
+
+/// See [`pause_forever`].
+pub const PAUSE_FOREVER: &str = "2999-12-31T00:00:00Z";
+
+/// The end of a pause as shown: `None` for "until resumed".
+fn shown_pause_end(until: DateTime<Utc>, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+    (until - now < chrono::Duration::days(FOREVER_THRESHOLD_DAYS)).then_some(until)
+}
+
+/// The label of one of the label consumers (`label-<label>`), if it is one.
+fn label_of_consumer<'a>(names: &Names, consumer: &'a str) -> Option<&'a str> {
+    let prefix = names.consumer_name("");
+    consumer.strip_prefix(&prefix).filter(|l| valid_label(l))
+}
+
+/// The KV bucket of heartbeats, if it exists (no worker ever ran: `None`).
+pub async fn workers_bucket(js: &jetstream::Context, names: &Names) -> Option<kv::Store> {
+    js.get_key_value(&names.workers_bucket).await.ok()
+}
+
+/// Every online worker's heartbeat, by id (keys whose value does not parse
+/// are skipped).
+pub async fn online_workers(store: &kv::Store) -> anyhow::Result<Vec<Heartbeat>> {
+    let mut keys = store.keys().await.context("cannot list workers")?;
+    let mut out = Vec::new();
+    while let Some(k) = keys.next().await {
+        let k = k.context("cannot list workers")?;
+        if let Some(v) = store.get(&k).await.context("cannot read a heartbeat")? {
+            if let Ok(hb) = serde_json::from_slice::<Heartbeat>(&v) {
+                out.push(hb);
+            }
+        }
+    }
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    Ok(out)
+}
+
+/// The info of every label consumer on the task stream, by label.
+pub async fn label_consumers(
+    tasks: &Stream,
+    names: &Names,
+) -> anyhow::Result<BTreeMap<String, ConsumerInfo>> {
+    let mut out = BTreeMap::new();
+    let mut list = tasks.consumers();
+    while let Some(info) = list.next().await {
+        let info = info.context("cannot list the label consumers")?;
+        if let Some(label) = label_of_consumer(names, &info.name) {
+            out.insert(label.to_string(), info);
+        }
+    }
+    Ok(out)
+}
+
+/// When the oldest task that no worker has been handed yet was published:
+/// the first message on the label's subjects after the last one the
+/// consumer delivered (two reads at the stream leader, one per filter).
+async fn oldest_waiting(
+    tasks: &Stream,
+    names: &Names,
+    label: &str,
+    info: &ConsumerInfo,
+) -> anyhow::Result<Option<DateTime<Utc>>> {
+    if info.num_pending == 0 {
+        return Ok(None);
+    }
+    let from = info.delivered.stream_sequence + 1;
+    let reads = names.label_filters(label).into_iter().map(|f| async move {
+        match tasks.get_first_raw_message_by_subject(&f, from).await {
+            Ok(m) => Ok(Some((m.sequence, chrono_time(m.time)))),
+            Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) => Err(anyhow!("reading the oldest task of {label}: {e}")),
+        }
+    });
+    let found = futures::future::try_join_all(reads).await?;
+    Ok(found.into_iter().flatten().min().map(|(_, t)| t))
+}
+
+/// The stats of one label from its consumer's info (`None`: no consumer).
+async fn stats_of(
+    tasks: &Stream,
+    names: &Names,
+    label: &str,
+    info: Option<&ConsumerInfo>,
+    workers: &[Heartbeat],
+    now: DateTime<Utc>,
+) -> anyhow::Result<QueueStats> {
+    let serving: Vec<&Heartbeat> = workers
+        .iter()
+        .filter(|h| h.labels.iter().any(|l| l == label))
+        .collect();
+    let mut s = QueueStats {
+        label: label.to_string(),
+        waiting: 0,
+        running: 0,
+        redelivered: 0,
+        oldest_waiting_at: None,
+        oldest_waiting_ms: None,
+        paused: false,
+        paused_until: None,
+        consumer: info.is_some(),
+        workers: serving.iter().map(|h| h.id.clone()).collect(),
+        slots: serving.iter().map(|h| h.slots).sum(),
+    };
+    let Some(info) = info else {
+        return Ok(s);
+    };
+    s.waiting = info.num_pending;
+    s.running = info.num_ack_pending;
+    s.redelivered = info.num_redelivered;
+    s.oldest_waiting_at = oldest_waiting(tasks, names, label, info).await?;
+    s.oldest_waiting_ms = s
+        .oldest_waiting_at
+        .map(|t| (now - t).num_milliseconds().max(0) as u64);
+    let (paused, until) = pause_state(info, now);
+    s.paused = paused;
+    s.paused_until = until;
+    Ok(s)
+}
+
+/// Whether a consumer is paused, and until when (`None`: until resumed).
+pub fn pause_state(info: &ConsumerInfo, now: DateTime<Utc>) -> (bool, Option<DateTime<Utc>>) {
+    if !info.paused {
+        return (false, None);
+    }
+    let until = info
+        .config
+        .pause_until
+        .map(chrono_time)
+        .or_else(|| {
+            let d = chrono::Duration::from_std(info.pause_remaining?).ok()?;
+            now.checked_add_signed(d)
+        })
+        .and_then(|u| shown_pause_end(u, now));
+    (true, until)
+}
+
+/// The task stream, with an error that says how to make it.
+pub async fn tasks_stream(js: &jetstream::Context, names: &Names) -> anyhow::Result<Stream> {
+    js.get_stream(&names.tasks_stream).await.map_err(|e| {
+        anyhow!(
+            "cannot read stream {} ({e}); start a worker or run `jetworker setup`",
+            names.tasks_stream
+        )
+    })
+}
+
+/// The queue of every label that has a consumer or an online worker,
+/// sorted by label; `only` keeps just that label (an unknown one yields an
+/// empty list).
+pub async fn queue_stats(
+    js: &jetstream::Context,
+    names: &Names,
+    only: Option<&str>,
+) -> anyhow::Result<Vec<QueueStats>> {
+    let tasks = tasks_stream(js, names).await?;
+    let consumers = label_consumers(&tasks, names).await?;
+    let workers = match workers_bucket(js, names).await {
+        Some(b) => online_workers(&b).await?,
+        None => Vec::new(),
+    };
+    let mut labels: Vec<&str> = consumers.keys().map(String::as_str).collect();
+    labels.extend(
+        workers
+            .iter()
+            .flat_map(|h| h.labels.iter().map(String::as_str)),
+    );
+    labels.sort_unstable();
+    labels.dedup();
+    labels.retain(|l| only.is_none_or(|o| o == *l));
+    let now = Utc::now();
+    let reads = labels
+        .iter()
+        .map(|l| stats_of(&tasks, names, l, consumers.get(*l), &workers, now));
+    futures::future::try_join_all(reads).await
+}
+
+/// The answer to `pause` and `resume`: the label's state afterwards.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PauseState {
+    pub label: String,
+    pub paused: bool,
+    /// When the pause ends by itself (`None` while paused: until resumed).
+    pub paused_until: Option<DateTime<Utc>>,
+}
+
+/// The label's consumer must exist: pausing creates nothing (its settings
+/// are the workers' to choose).
+async fn existing_consumer(tasks: &Stream, names: &Names, label: &str) -> anyhow::Result<String> {
+    if !valid_label(label) {
+        bail!("`{label}` is not a label ([A-Za-z0-9_-]{{1,64}})");
+    }
+    let name = names.consumer_name(label);
+    match tasks.consumer_info(&name).await {
+        Ok(_) => Ok(name),
+        Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => bail!(
+            "label {label} has no consumer yet (no worker has served it); start a worker with --labels {label} first"
+        ),
+        Err(e) => Err(anyhow!("cannot read consumer {name}: {e}")),
+    }
+}
+
+/// Pause a label until `until` (`None`: until [`resume`]). Its workers stop
+/// taking its tasks within one pull (2 s); tasks running go on, and tasks
+/// published meanwhile wait.
+pub async fn pause(
+    js: &jetstream::Context,
+    names: &Names,
+    label: &str,
+    until: Option<DateTime<Utc>>,
+) -> anyhow::Result<PauseState> {
+    let tasks = tasks_stream(js, names).await?;
+    let name = existing_consumer(&tasks, names, label).await?;
+    let at = until.unwrap_or_else(pause_forever);
+    let at = time::OffsetDateTime::from_unix_timestamp(at.timestamp())
+        .map_err(|e| anyhow!("pause time out of range: {e}"))?;
+    let r = tasks
+        .pause_consumer(&name, at)
+        .await
+        .map_err(|e| anyhow!("cannot pause {label}: {e}"))?;
+    let now = Utc::now();
+    Ok(PauseState {
+        label: label.to_string(),
+        paused: r.paused,
+        paused_until: shown_pause_end(chrono_time(r.pause_until), now),
+    })
+}
+
+/// Resume a paused label: its workers take its tasks again within one
+/// pull. Resuming a label that is not paused changes nothing.
+pub async fn resume(
+    js: &jetstream::Context,
+    names: &Names,
+    label: &str,
+) -> anyhow::Result<PauseState> {
+    let tasks = tasks_stream(js, names).await?;
+    let name = existing_consumer(&tasks, names, label).await?;
+    let r = tasks
+        .resume_consumer(&name)
+        .await
+        .map_err(|e| anyhow!("cannot resume {label}: {e}"))?;
+    Ok(PauseState {
+        label: label.to_string(),
+        paused: r.paused,
+        paused_until: None,
+    })
+}
+
+/// Whether one label's consumer is paused now (for the worker's
+/// `jetworker_label_paused` gauge).
+pub async fn is_paused(tasks: &Stream, names: &Names, label: &str) -> anyhow::Result<bool> {
+    let info = tasks
+        .consumer_info(names.consumer_name(label))
+        .await
+        .map_err(|e| anyhow!("cannot read the consumer of {label}: {e}"))?;
+    Ok(info.paused)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consumer_names_map_back_to_labels() {
+        let n = Names::default();
+        assert_eq!(label_of_consumer(&n, &n.consumer_name("gpu")), Some("gpu"));
+        assert_eq!(label_of_consumer(&n, "other"), None);
+        assert_eq!(label_of_consumer(&n, "label-"), None);
+        assert_eq!(label_of_consumer(&n, "label-a.b"), None);
+    }
+
+    #[test]
+    fn a_pause_without_end_is_shown_as_until_resumed() {
+        let now = Utc::now();
+        assert_eq!(shown_pause_end(pause_forever(), now), None);
+        let soon = now + chrono::Duration::minutes(10);
+        assert_eq!(shown_pause_end(soon, now), Some(soon));
+    }
+}
