@@ -69,7 +69,7 @@ async fn running_on(conn: &Conn, id: &str) -> Option<String> {
         .get_key_value(&conn.names.workers_bucket)
         .await
         .ok()?;
-    let all = super::workers::list(&store).await.ok()?;
+    let all = crate::queues::online_workers(&store).await.ok()?;
     all.into_iter()
         .find(|hb| hb.tasks.iter().any(|t| t == id))
         .map(|hb| hb.id)

@@ -253,7 +253,7 @@ async fn warn_if_unserved(conn: &Conn, label: &str) {
         );
         return;
     };
-    let Ok(all) = super::workers::list(&store).await else {
+    let Ok(all) = crate::queues::online_workers(&store).await else {
         return;
     };
     if !all.iter().any(|hb| hb.labels.iter().any(|l| l == label)) {

@@ -60,22 +60,6 @@ async fn bucket(conn: &Conn) -> anyhow::Result<kv::Store> {
         })
 }
 
-/// Every current heartbeat (keys whose value does not parse are skipped).
-pub async fn list(store: &kv::Store) -> anyhow::Result<Vec<Heartbeat>> {
-    let mut keys = store.keys().await.context("cannot list workers")?;
-    let mut out = Vec::new();
-    while let Some(k) = keys.next().await {
-        let k = k.context("cannot list workers")?;
-        if let Some(v) = store.get(&k).await.context("cannot read a heartbeat")? {
-            if let Ok(hb) = serde_json::from_slice::<Heartbeat>(&v) {
-                out.push(hb);
-            }
-        }
-    }
-    out.sort_by(|a, b| a.id.cmp(&b.id));
-    Ok(out)
-}
-
 fn join<T: ToString>(v: &[T]) -> String {
     v.iter().map(T::to_string).collect::<Vec<_>>().join(",")
 }
@@ -89,7 +73,7 @@ pub async fn run(ctx: &super::Ctx, args: WorkersArgs) -> anyhow::Result<Exit> {
     } else {
         None
     };
-    let all = list(&store).await?;
+    let all = crate::queues::online_workers(&store).await?;
     let colour = colour_enabled();
     if args.json && args.watch {
         for hb in &all {
