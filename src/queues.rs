@@ -13,6 +13,12 @@
 //! (nats-server 2.11): a paused consumer hands out nothing until its pause
 //! time passes or it is resumed, so every worker of the label stops taking
 //! its tasks at once, running tasks go on, and nothing is lost.
+//!
+//! One task's state ([`task_status`], `jetworker status`) is read the same
+//! way a worker reads it: the last record on `results.<id>` (DESIGN.md
+//! section 5), the holder's heartbeat for a `running` claim, and — for an
+//! id with no record yet — the task stream, where it waits for its first
+//! attempt.
 
 use std::collections::BTreeMap;
 
@@ -28,12 +34,17 @@ use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use serde::Serialize;
 
-use crate::protocol::{chrono_time, valid_label, Heartbeat, Names};
+use crate::protocol::{
+    best_effort_id, chrono_time, header, valid_id, valid_label, Envelope, Heartbeat, Names, Status,
+    TaskResult,
+};
 
 /// One label's queue, as `jetworker queues --json` prints it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct QueueStats {
     pub label: String,
+    /// When these numbers were read (ages count to this time).
+    pub read_at: DateTime<Utc>,
     /// Tasks not handed to any worker yet (the consumer's `num_pending`).
     pub waiting: u64,
     /// Tasks handed out and not answered yet (`num_ack_pending`): running
@@ -164,6 +175,7 @@ async fn stats_of(
         .collect();
     let mut s = QueueStats {
         label: label.to_string(),
+        read_at: now,
         waiting: 0,
         running: 0,
         redelivered: 0,
@@ -327,6 +339,220 @@ pub async fn is_paused(tasks: &Stream, names: &Names, label: &str) -> anyhow::Re
         .await
         .map_err(|e| anyhow!("cannot read the consumer of {label}: {e}"))?;
     Ok(info.paused)
+}
+
+/// Where one task stands (`jetworker status <id>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskState {
+    /// A worker claimed an attempt and runs it (`running` record).
+    Running,
+    /// An attempt failed or timed out and the next one waits for its
+    /// backoff (a non-final result with `retry_in_ms`).
+    Retrying,
+    /// Waits in the task stream for a worker: never started yet, handed
+    /// back at a worker's shutdown (`queued` record), or fenced after a
+    /// lost lease (non-final `cancelled`).
+    Waiting,
+    /// A final record exists: nothing runs any more.
+    Final,
+    /// No record, and not found in the task stream.
+    Unknown,
+}
+
+impl TaskState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskState::Running => "running",
+            TaskState::Retrying => "retrying",
+            TaskState::Waiting => "waiting",
+            TaskState::Final => "final",
+            TaskState::Unknown => "unknown",
+        }
+    }
+}
+
+/// One task's state, as `jetworker status <id> --json` prints it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TaskStatus {
+    pub id: String,
+    pub state: TaskState,
+    /// The task's label (from its last record, or its task message).
+    pub label: Option<String>,
+    /// For `running`: whether the claim's holder is online (its heartbeat
+    /// key exists). An offline holder's claim is taken over at the next
+    /// delivery (attempt n + 1).
+    pub worker_online: Option<bool>,
+    /// For `retrying`: when the next attempt becomes due.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// For a task with no record yet: when its message was published.
+    pub published_at: Option<DateTime<Utc>>,
+    /// The last record on `results.<id>` (DESIGN.md section 4), if any.
+    pub record: Option<TaskResult>,
+    /// Why the state is `unknown` although the task may exist: the task
+    /// stream was too large to search ([`SCAN_LIMIT`]).
+    pub note: Option<String>,
+}
+
+/// The last record of `id`, read at the stream leader (as a worker reads
+/// it: a lagging replica could show an older state).
+pub async fn last_record(
+    results: &Stream,
+    names: &Names,
+    id: &str,
+) -> anyhow::Result<Option<TaskResult>> {
+    match results
+        .get_last_raw_message_by_subject(&names.result_subject(id))
+        .await
+    {
+        Ok(m) => Ok(serde_json::from_slice(&m.payload).ok()),
+        Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(e) => Err(anyhow!("cannot read the records of {id}: {e}")),
+    }
+}
+
+/// Most task messages [`find_queued`] reads (one request each) before it
+/// gives up and says the id may be among the rest.
+pub const SCAN_LIMIT: usize = 5000;
+
+/// Whether a task waits in the task stream for its first attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Queued {
+    /// A message with this id: its label and when it was published.
+    Found {
+        label: String,
+        published_at: DateTime<Utc>,
+    },
+    /// No message with this id.
+    Absent,
+    /// More than [`SCAN_LIMIT`] messages: not all were looked at.
+    NotSearched,
+}
+
+/// Look for a task message with id `id` in the task stream (the JSON `id`
+/// wins over the `Nats-Msg-Id` header, else `seq-<n>`, as the worker reads
+/// it). Reads message by message at the stream leader: a WorkQueue stream
+/// allows no second consumer over the label consumers' subjects.
+pub async fn find_queued(
+    js: &jetstream::Context,
+    names: &Names,
+    id: &str,
+) -> anyhow::Result<Queued> {
+    let Ok(stream) = js.get_stream(&names.tasks_stream).await else {
+        return Ok(Queued::Absent);
+    };
+    let filter = format!("{}.>", names.tasks_prefix);
+    let mut seq = 0u64;
+    for _ in 0..SCAN_LIMIT {
+        let m = match stream
+            .raw_message_builder()
+            .sequence(seq + 1)
+            .next_by_subject(filter.clone())
+            .send()
+            .await
+        {
+            Ok(m) => m,
+            Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => return Ok(Queued::Absent),
+            Err(e) => return Err(anyhow!("cannot read the task stream: {e}")),
+        };
+        seq = m.sequence;
+        let Some(label) = names.label_of(&m.subject) else {
+            continue;
+        };
+        let msg_id = header(
+            Some(&m.headers),
+            async_nats::header::NATS_MESSAGE_ID.as_ref(),
+        );
+        let env = Envelope {
+            label,
+            msg_id: msg_id.as_deref(),
+            stream_sequence: m.sequence,
+            ..Default::default()
+        };
+        if best_effort_id(&m.payload, &env) == id {
+            return Ok(Queued::Found {
+                label: label.to_string(),
+                published_at: chrono_time(m.time),
+            });
+        }
+    }
+    Ok(Queued::NotSearched)
+}
+
+/// Where task `id` stands: its last record, whether a running claim's
+/// holder is online, or — with no record — whether it waits in the task
+/// stream.
+pub async fn task_status(
+    js: &jetstream::Context,
+    names: &Names,
+    id: &str,
+) -> anyhow::Result<TaskStatus> {
+    if !valid_id(id) {
+        bail!("`{id}` is not a task id ([A-Za-z0-9_-]{{1,128}})");
+    }
+    let mut st = TaskStatus {
+        id: id.to_string(),
+        state: TaskState::Unknown,
+        label: None,
+        worker_online: None,
+        next_attempt_at: None,
+        published_at: None,
+        record: None,
+        note: None,
+    };
+    let record = match js.get_stream(&names.results_stream).await {
+        Ok(results) => last_record(&results, names, id).await?,
+        Err(_) => None,
+    };
+    let Some(r) = record else {
+        match find_queued(js, names, id).await? {
+            Queued::Found {
+                label,
+                published_at,
+            } => {
+                st.state = TaskState::Waiting;
+                st.label = Some(label);
+                st.published_at = Some(published_at);
+            }
+            Queued::Absent => {}
+            Queued::NotSearched => {
+                st.note = Some(format!(
+                    "the task stream holds more than {SCAN_LIMIT} tasks; not all were searched"
+                ))
+            }
+        }
+        return Ok(st);
+    };
+    st.label = Some(r.label.clone());
+    st.state = if r.is_final {
+        TaskState::Final
+    } else {
+        match r.status {
+            Status::Running => TaskState::Running,
+            Status::Failed | Status::Timeout if r.retry_in_ms.is_some() => TaskState::Retrying,
+            _ => TaskState::Waiting,
+        }
+    };
+    match st.state {
+        TaskState::Running => {
+            st.worker_online = Some(match workers_bucket(js, names).await {
+                Some(b) => b
+                    .get(&r.worker_id)
+                    .await
+                    .context("cannot read the workers bucket")?
+                    .is_some(),
+                None => false,
+            });
+        }
+        TaskState::Retrying => {
+            st.next_attempt_at = r
+                .retry_in_ms
+                .map(|ms| r.finished_at + chrono::Duration::milliseconds(ms as i64));
+        }
+        _ => {}
+    }
+    st.record = Some(r);
+    Ok(st)
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ use serde::Serialize;
 use super::common::Conn;
 use super::output;
 use super::Exit;
-use crate::protocol::{header, parse_duration, valid_id, Status, TaskResult};
+use crate::protocol::{parse_duration, valid_id, Status, TaskResult};
 
 #[derive(Debug, Clone, Args)]
 #[command(after_help = "\
@@ -73,46 +73,6 @@ async fn running_on(conn: &Conn, id: &str) -> Option<String> {
     all.into_iter()
         .find(|hb| hb.tasks.iter().any(|t| t == id))
         .map(|hb| hb.id)
-}
-
-/// How many queued messages `queued` looks at before it gives up and
-/// assumes the id may be among the rest.
-const QUEUE_SCAN_LIMIT: usize = 5000;
-
-/// Whether a task with `id` is waiting in the task stream: `Some(true)`,
-/// `Some(false)`, or `None` when the queue is too long to look through.
-async fn queued(conn: &Conn, id: &str) -> anyhow::Result<Option<bool>> {
-    let Ok(stream) = conn.stream(&conn.names.tasks_stream).await else {
-        return Ok(Some(false));
-    };
-    let filter = format!("{}.>", conn.names.tasks_prefix);
-    let mut seq = 0u64;
-    for _ in 0..QUEUE_SCAN_LIMIT {
-        let m = match stream
-            .raw_message_builder()
-            .sequence(seq + 1)
-            .next_by_subject(filter.clone())
-            .send()
-            .await
-        {
-            Ok(m) => m,
-            // No message after `seq` (or none at all).
-            Err(_) => return Ok(Some(false)),
-        };
-        seq = m.sequence;
-        // The JSON `id` wins over the header, as the worker reads it.
-        let json_id = serde_json::from_slice::<serde_json::Value>(&m.payload)
-            .ok()
-            .and_then(|v| v.get("id").and_then(|i| i.as_str()).map(String::from));
-        let msg_id = header(Some(&m.headers), "Nats-Msg-Id");
-        let task_id = json_id
-            .or(msg_id)
-            .unwrap_or_else(|| format!("seq-{}", m.sequence));
-        if task_id == id {
-            return Ok(Some(true));
-        }
-    }
-    Ok(None)
 }
 
 fn report(o: Outcome, json: bool) -> anyhow::Result<()> {
@@ -164,9 +124,9 @@ pub async fn run(ctx: &super::Ctx, args: CancelArgs) -> anyhow::Result<Exit> {
         _ => running_on(&conn, &id).await,
     };
     if last.is_none() && worker.is_none() && !args.force {
-        match queued(&conn, &id).await? {
-            Some(true) => {}
-            Some(false) => {
+        match crate::queues::find_queued(&conn.js, &conn.names, &id).await? {
+            crate::queues::Queued::Found { .. } => {}
+            crate::queues::Queued::Absent => {
                 eprintln!(
                     "jetworker: no task {id} is known: no result, not running, not queued. \
                      A cancellation stored now would cancel a task submitted later with this id; \
@@ -185,9 +145,10 @@ pub async fn run(ctx: &super::Ctx, args: CancelArgs) -> anyhow::Result<Exit> {
                 )?;
                 return Ok(Exit::NotSucceeded);
             }
-            None => eprintln!(
-                "jetworker: the queue holds more than {QUEUE_SCAN_LIMIT} tasks; \
-                 not checked whether {id} is among them"
+            crate::queues::Queued::NotSearched => eprintln!(
+                "jetworker: the queue holds more than {} tasks; \
+                 not checked whether {id} is among them",
+                crate::queues::SCAN_LIMIT
             ),
         }
     }
