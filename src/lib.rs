@@ -20,6 +20,7 @@
 //! - [`metrics`]: Prometheus `/metrics`, `/healthz`, `/readyz`.
 //! - [`queues`]: the label queues as operators see and steer them (stats,
 //!   pause, resume), shared by the CLI and any other front end.
+//! - [`ui`]: `jetworker ui`, the live web dashboard.
 
 pub mod cgroup;
 pub mod commands;
@@ -33,6 +34,7 @@ pub mod queues;
 pub mod runner;
 pub mod setup;
 pub mod suggest;
+pub mod ui;
 pub mod worker;
 
 /// The version reported in heartbeats and `--version`.

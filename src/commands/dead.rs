@@ -121,7 +121,7 @@ impl DeadLetter {
 }
 
 /// Dead letters on `filter` (a subject under the dead prefix), oldest first.
-async fn read(conn: &Conn, filter: String) -> anyhow::Result<Vec<DeadLetter>> {
+pub(crate) async fn read(conn: &Conn, filter: String) -> anyhow::Result<Vec<DeadLetter>> {
     let stream = conn.stream(&conn.names.dead_stream).await?;
     let mut reader = OrderedReader::open(&stream, vec![filter], DeliverPolicy::All).await?;
     let prefix = conn.names.dead_prefix.clone();
@@ -213,7 +213,18 @@ async fn replay_id(conn: &Conn, id: &str) -> anyhow::Result<String> {
     bail!("{id} was replayed too often (r1 to r999 all have results)")
 }
 
-async fn replay(conn: &Conn, id: &str, json: bool) -> anyhow::Result<Exit> {
+/// A dead task published again.
+pub(crate) struct Replay {
+    pub new_id: String,
+    pub subject: String,
+    /// Already queued under that id (duplicate within the window).
+    pub duplicate: bool,
+}
+
+/// Publish the newest dead letter of `id` again as `<id>-r<n>` with a
+/// fresh attempt budget: the one replay path, for `dead replay` and for
+/// `jetworker ui`.
+pub(crate) async fn replay_task(conn: &Conn, id: &str) -> anyhow::Result<Replay> {
     check_id(id)?;
     let filter = format!("{}.*.{id}", conn.names.dead_prefix);
     let Some(d) = read(conn, filter).await?.pop() else {
@@ -237,14 +248,27 @@ async fn replay(conn: &Conn, id: &str, json: bool) -> anyhow::Result<Exit> {
         .publish(&subject, bytes, Some(&new_id), None)
         .await
         .with_context(|| format!("cannot replay {id}"))?;
+    Ok(Replay {
+        new_id,
+        subject,
+        duplicate: ack.duplicate,
+    })
+}
+
+async fn replay(conn: &Conn, id: &str, json: bool) -> anyhow::Result<Exit> {
+    let Replay {
+        new_id,
+        subject,
+        duplicate,
+    } = replay_task(conn, id).await?;
     if json {
         output::json_line(&Replayed {
             id,
             new_id: &new_id,
             subject: &subject,
-            duplicate: ack.duplicate,
+            duplicate,
         })?;
-    } else if ack.duplicate {
+    } else if duplicate {
         output::line(&format!(
             "{id} was already replayed as {new_id} (still queued)"
         ))?;

@@ -2,6 +2,7 @@
 //! nats-server (see `util`) and real workers.
 
 mod auth;
+mod browser;
 mod cli;
 mod cli_worker;
 mod cluster;
@@ -18,5 +19,7 @@ mod proxy;
 mod readme;
 mod runner_ctx;
 mod soak;
+mod ui;
+mod ui_util;
 mod util;
 mod wire;
