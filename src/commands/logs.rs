@@ -279,6 +279,39 @@ fn print_stored(r: &TaskResult, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A task's final result, watched in the background from `since_seq` (the
+/// RESULTS sequence read before looking at the last record); the watch
+/// stops when this is dropped.
+pub(crate) struct FinalWatch {
+    pub rx: tokio::sync::oneshot::Receiver<TaskResult>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FinalWatch {
+    pub(crate) fn start(conn: &Conn, id: &str, since_seq: u64) -> FinalWatch {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let conn = conn.clone();
+        let ids = vec![id.to_string()];
+        let task = tokio::spawn(async move {
+            let mut tx = Some(tx);
+            let _ = conn
+                .wait_finals(&ids, since_seq, None, |r| {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(r.clone());
+                    }
+                })
+                .await;
+        });
+        FinalWatch { rx, task }
+    }
+}
+
+impl Drop for FinalWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Live messages: from the logs stream (from the start of what it keeps),
 /// or a plain subscription where there is no such stream.
 pub(crate) enum Live {
@@ -352,21 +385,7 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
     }
 
     // The final result, watched beside the live output.
-    let (tx, mut final_rx) = tokio::sync::oneshot::channel::<TaskResult>();
-    let watcher = {
-        let ids = vec![args.id.clone()];
-        let conn = conn.clone();
-        tokio::spawn(async move {
-            let mut tx = Some(tx);
-            let _ = conn
-                .wait_finals(&ids, since_seq, None, |r| {
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(r.clone());
-                    }
-                })
-                .await;
-        })
-    };
+    let mut final_rx = FinalWatch::start(&conn, &args.id, since_seq);
 
     let mut p = Printer {
         id: args.id.clone(),
@@ -382,7 +401,7 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
                     break;
                 }
             }
-            r = &mut final_rx, if final_result.is_none() => {
+            r = &mut final_rx.rx, if final_result.is_none() => {
                 match r {
                     Ok(r) => {
                         final_result = Some(r);
@@ -404,11 +423,10 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
     }
     if final_result.is_none() {
         // Ended at eof: the attempt's result follows its output closely.
-        if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(2), final_rx).await {
+        if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(2), &mut final_rx.rx).await {
             final_result = Some(r);
         }
     }
-    watcher.abort();
     if let Some(r) = &final_result {
         p.result(r)?;
     }

@@ -20,8 +20,8 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{FromRequest, Request, State};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::de::DeserializeOwned;
@@ -42,38 +42,45 @@ fn failed(status: StatusCode, message: String) -> Response {
     answer(status, json!({ "ok": false, "message": message }))
 }
 
-/// Check the request, then parse its body; the error is the answer.
-fn accept<T: DeserializeOwned>(
-    app: &App,
-    headers: &HeaderMap,
-    body: &[u8],
-) -> Result<T, Box<Response>> {
-    app.security
-        .check_action(headers)
-        .map_err(|r| Box::new(r.into_response()))?;
-    serde_json::from_slice(body).map_err(|e| {
-        Box::new(failed(
-            StatusCode::BAD_REQUEST,
-            format!("bad request body: {e}"),
-        ))
-    })
+/// The answer to an action that went through (`ok: true` and its fields),
+/// or 400 with the error in words.
+fn done(r: anyhow::Result<serde_json::Value>) -> Response {
+    match r {
+        Ok(mut v) => {
+            v["ok"] = json!(true);
+            answer(StatusCode::OK, v)
+        }
+        Err(e) => failed(StatusCode::BAD_REQUEST, format!("{e:#}")),
+    }
+}
+
+/// An action's JSON body, taken only once the request passed
+/// [`super::auth::Security::check_action`] (before the body is read).
+pub(crate) struct Action<T>(T);
+
+impl<T: DeserializeOwned> FromRequest<Arc<App>> for Action<T> {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, app: &Arc<App>) -> Result<Self, Response> {
+        app.security
+            .check_action(req.headers())
+            .map_err(IntoResponse::into_response)?;
+        let body = Bytes::from_request(req, app)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        serde_json::from_slice(&body)
+            .map(Action)
+            .map_err(|e| failed(StatusCode::BAD_REQUEST, format!("bad request body: {e}")))
+    }
 }
 
 #[derive(Deserialize)]
-struct CancelBody {
+pub(crate) struct CancelBody {
     id: String,
     reason: Option<String>,
 }
 
-pub(crate) async fn cancel(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let b: CancelBody = match accept(&app, &headers, &body) {
-        Ok(b) => b,
-        Err(r) => return *r,
-    };
+pub(crate) async fn cancel(State(app): State<Arc<App>>, Action(b): Action<CancelBody>) -> Response {
     let reason = b
         .reason
         .as_deref()
@@ -107,98 +114,61 @@ pub(crate) async fn cancel(
 }
 
 #[derive(Deserialize)]
-struct IdBody {
+pub(crate) struct IdBody {
     id: String,
 }
 
-pub(crate) async fn replay(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let b: IdBody = match accept(&app, &headers, &body) {
-        Ok(b) => b,
-        Err(r) => return *r,
-    };
-    match crate::commands::dead::replay_task(&app.conn, &b.id).await {
-        Ok(r) => answer(
-            StatusCode::OK,
-            json!({
-                "ok": true,
-                "new_id": r.new_id,
-                "subject": r.subject,
-                "duplicate": r.duplicate,
-                "message": if r.duplicate {
-                    format!("{} was already replayed as {} (still queued)", b.id, r.new_id)
-                } else {
-                    format!("replayed {} as {}", b.id, r.new_id)
-                },
-            }),
-        ),
-        Err(e) => failed(StatusCode::BAD_REQUEST, format!("{e:#}")),
-    }
+pub(crate) async fn replay(State(app): State<Arc<App>>, Action(b): Action<IdBody>) -> Response {
+    let r = crate::commands::dead::replay_task(&app.conn, &b.id).await;
+    done(r.map(|r| {
+        json!({
+            "new_id": r.new_id,
+            "subject": r.subject,
+            "duplicate": r.duplicate,
+            "message": if r.duplicate {
+                format!("{} was already replayed as {} (still queued)", b.id, r.new_id)
+            } else {
+                format!("replayed {} as {}", b.id, r.new_id)
+            },
+        })
+    }))
 }
 
 #[derive(Deserialize)]
-struct LabelBody {
+pub(crate) struct LabelBody {
     label: String,
 }
 
-pub(crate) async fn pause(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    pause_or_resume(&app, &headers, &body, true).await
+pub(crate) async fn pause(State(app): State<Arc<App>>, Action(b): Action<LabelBody>) -> Response {
+    pause_or_resume(&app, b, true).await
 }
 
-pub(crate) async fn resume(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    pause_or_resume(&app, &headers, &body, false).await
+pub(crate) async fn resume(State(app): State<Arc<App>>, Action(b): Action<LabelBody>) -> Response {
+    pause_or_resume(&app, b, false).await
 }
 
-async fn pause_or_resume(app: &App, headers: &HeaderMap, body: &[u8], pause: bool) -> Response {
-    let b: LabelBody = match accept(app, headers, body) {
-        Ok(b) => b,
-        Err(r) => return *r,
-    };
+async fn pause_or_resume(app: &App, b: LabelBody, pause: bool) -> Response {
     let (js, names) = (&app.conn.js, &app.conn.names);
     let r = if pause {
         crate::queues::pause(js, names, &b.label, None).await
     } else {
         crate::queues::resume(js, names, &b.label).await
     };
-    match r {
-        Ok(s) => answer(
-            StatusCode::OK,
-            json!({
-                "ok": true,
-                "message": format!("{} {}", b.label, if s.paused { "paused" } else { "resumed" }),
-                "state": s,
-            }),
-        ),
-        Err(e) => failed(StatusCode::BAD_REQUEST, format!("{e:#}")),
-    }
+    done(r.map(|s| {
+        json!({
+            "message": format!("{} {}", b.label, if s.paused { "paused" } else { "resumed" }),
+            "state": s,
+        })
+    }))
 }
 
 #[derive(Deserialize)]
-struct SubmitBody {
+pub(crate) struct SubmitBody {
     label: String,
     task: serde_json::Value,
 }
 
-pub(crate) async fn submit(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let b: SubmitBody = match accept(&app, &headers, &body) {
-        Ok(b) => b,
-        Err(r) => return *r,
-    };
+pub(crate) async fn submit(State(app): State<Arc<App>>, Action(b): Action<SubmitBody>) -> Response {
     if !valid_label(&b.label) {
         return failed(
             StatusCode::BAD_REQUEST,

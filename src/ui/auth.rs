@@ -257,7 +257,9 @@ pub(crate) async fn guard(State(app): State<Arc<App>>, req: Request, next: Next)
     if req.method() == Method::GET {
         if let Some(t) = query_token(req.uri().query()) {
             if sec.token.as_deref().is_some_and(|tok| same(&t, tok)) {
-                let mut r = Redirect::to(&path).into_response();
+                // Back to the same page, never to another site (`//host`).
+                let to = if path.starts_with("//") { "/" } else { &path };
+                let mut r = Redirect::to(to).into_response();
                 r.headers_mut().insert(header::SET_COOKIE, sec.set_cookie());
                 return r;
             }

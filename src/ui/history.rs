@@ -26,6 +26,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::commands::common::{parse_result, Conn, OrderedReader};
+use crate::commands::dead::DeadLetter;
 use crate::commands::output::{first_line, parse_since};
 use crate::protocol::{Status, TaskResult};
 
@@ -281,7 +282,7 @@ async fn is_latest(
 pub(crate) struct TaskView {
     pub id: String,
     pub records: Vec<TaskResult>,
-    pub dead: Option<DeadView>,
+    pub dead: Option<DeadLetter>,
 }
 
 pub(crate) async fn task(conn: &Conn, id: &str) -> anyhow::Result<TaskView> {
@@ -297,25 +298,14 @@ pub(crate) async fn task(conn: &Conn, id: &str) -> anyhow::Result<TaskView> {
     })
 }
 
-/// A dead letter as the page shows it.
-#[derive(Debug, Serialize)]
-pub(crate) struct DeadView {
-    pub id: String,
-    pub label: String,
-    pub reason: String,
-    pub time: DateTime<Utc>,
-    pub sequence: u64,
-    /// The original task, secrets masked ([`mask_task`]).
-    pub task: String,
-}
-
 /// Dead letters, newest first, at most `limit`, of one id or label.
+/// The original task's secrets are masked ([`mask_task`]).
 pub(crate) async fn dead_letters(
     conn: &Conn,
     id: Option<&str>,
     label: Option<&str>,
     limit: usize,
-) -> anyhow::Result<Vec<DeadView>> {
+) -> anyhow::Result<Vec<DeadLetter>> {
     let p = &conn.names.dead_prefix;
     let filter = format!("{p}.{}.{}", label.unwrap_or("*"), id.unwrap_or(">"));
     if conn.js.get_stream(&conn.names.dead_stream).await.is_err() {
@@ -326,13 +316,9 @@ pub(crate) async fn dead_letters(
         .into_iter()
         .rev()
         .take(limit)
-        .map(|d| DeadView {
+        .map(|d| DeadLetter {
             task: mask_task(&d.task),
-            id: d.id,
-            label: d.label,
-            reason: d.reason,
-            time: d.time,
-            sequence: d.sequence,
+            ..d
         })
         .collect())
 }

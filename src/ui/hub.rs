@@ -36,7 +36,7 @@ use crate::commands::output::{chrono_time, js_time};
 use crate::protocol::{header, valid_id, Heartbeat};
 
 /// How long changes are gathered before they go out as one event.
-const COALESCE: Duration = Duration::from_millis(100);
+const COALESCE: Duration = Duration::from_millis(200);
 /// How long an offline worker stays listed (greyed).
 pub(crate) const OFFLINE_KEEP: Duration = Duration::from_secs(15 * 60);
 /// One point of the throughput/latency chart.
@@ -209,6 +209,8 @@ struct Snapshot<'a> {
 pub(crate) struct Hub {
     state: Mutex<State>,
     tx: broadcast::Sender<Frame>,
+    /// A page arrived: poll the queues now rather than at the next tick.
+    page_arrived: tokio::sync::Notify,
 }
 
 fn frame(name: &'static str, v: &impl Serialize) -> Frame {
@@ -224,6 +226,7 @@ impl Hub {
         let hub = Arc::new(Hub {
             state: Mutex::new(State::default()),
             tx: broadcast::channel(CHANNEL).0,
+            page_arrived: tokio::sync::Notify::new(),
         });
         tokio::spawn(workers_feed(hub.clone(), conn.clone()));
         tokio::spawn(results_feed(hub.clone(), conn.clone()));
@@ -253,6 +256,7 @@ impl Hub {
         );
         let rx = self.tx.subscribe();
         drop(st);
+        self.page_arrived.notify_one();
         (snap, rx)
     }
 
@@ -518,12 +522,16 @@ async fn publish_times_feed(hub: Arc<Hub>, conn: Conn) {
     }
 }
 
-/// Queue figures every [`QUEUE_POLL`] while a page is open.
+/// Queue figures every [`QUEUE_POLL`] while a page is open, and at once
+/// when one arrives (its snapshot may hold none yet).
 async fn queues_feed(hub: Arc<Hub>, conn: Conn) {
     let mut tick = tokio::time::interval(QUEUE_POLL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = hub.page_arrived.notified() => tick.reset(),
+        }
         if !hub.watched() {
             continue;
         }

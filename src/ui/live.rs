@@ -17,7 +17,7 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::commands::common::Conn;
-use crate::commands::logs::{Live, LiveMsg};
+use crate::commands::logs::{FinalWatch, Live, LiveMsg};
 use crate::protocol::TaskResult;
 
 /// Events a slow page may have outstanding before the reader waits.
@@ -92,21 +92,8 @@ async fn run(conn: &Conn, id: &str, tx: &mpsc::Sender<Event>) -> anyhow::Result<
             }
         }
     }
-    let (final_tx, mut final_rx) = tokio::sync::oneshot::channel::<TaskResult>();
-    let watcher = {
-        let conn = conn.clone();
-        let ids = vec![id.to_string()];
-        tokio::spawn(async move {
-            let mut final_tx = Some(final_tx);
-            let _ = conn
-                .wait_finals(&ids, since_seq, None, |r| {
-                    if let Some(t) = final_tx.take() {
-                        let _ = t.send(r.clone());
-                    }
-                })
-                .await;
-        })
-    };
+    let mut watch = FinalWatch::start(conn, id, since_seq);
+    let final_rx = &mut watch.rx;
     let outcome = async {
         loop {
             tokio::select! {
@@ -116,13 +103,13 @@ async fn run(conn: &Conn, id: &str, tx: &mpsc::Sender<Event>) -> anyhow::Result<
                         Err(()) => return Ok(None), // the page went away
                         Ok(Some(true)) => {
                             // The final attempt's result follows its output.
-                            let r = tokio::time::timeout(Duration::from_secs(5), &mut final_rx).await;
+                            let r = tokio::time::timeout(Duration::from_secs(5), &mut *final_rx).await;
                             return Ok(r.ok().and_then(Result::ok));
                         }
                         Ok(_) => {}
                     }
                 }
-                r = &mut final_rx => {
+                r = &mut *final_rx => {
                     let Ok(r) = r else { return Ok(None) };
                     // Chunks published just before the result may still be
                     // on their way: take what comes in a moment.
@@ -139,7 +126,7 @@ async fn run(conn: &Conn, id: &str, tx: &mpsc::Sender<Event>) -> anyhow::Result<
         }
     };
     let outcome: anyhow::Result<Option<TaskResult>> = outcome.await;
-    watcher.abort();
+    drop(watch);
     let r: Option<TaskResult> = outcome?;
     match r {
         Some(r) => {

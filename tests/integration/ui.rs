@@ -58,10 +58,31 @@ async fn csrf(page: &Page<'_>) -> String {
         .to_string()
 }
 
+/// Wait until task `id` runs.
+async fn running(js: &async_nats::jetstream::Context, id: &str) {
+    util::wait_for(T, &format!("{id} running"), || async {
+        util::last_result(js, id)
+            .await
+            .filter(|r| r.status == jetworker::protocol::Status::Running)
+    })
+    .await;
+}
+
+/// `POST /api/actions/cancel` for `long-1` with `headers`.
+fn post_cancel(port: u16, headers: &[(&str, &str)]) -> super::ui_util::Response {
+    http(
+        port,
+        "POST",
+        "/api/actions/cancel",
+        headers,
+        r#"{"id":"long-1"}"#,
+    )
+}
+
 /// Selector of a worker's row.
 fn worker_row(prefix: &str) -> String {
     format!(
-        "document.querySelector('#workers-table tr[data-id^={}]')",
+        "document.querySelector('#workers-table .row[data-id^={}]')",
         js(prefix)
     )
 }
@@ -268,13 +289,7 @@ async fn ui_cancel_needs_allow_actions_csrf_and_the_token() {
         r#"{"type":"shell","id":"long-1","script":"sleep 60"}"#,
     )
     .await;
-    util::wait_for(T, "long-1 running", || async {
-        util::last_result(&js_ctx, "long-1")
-            .await
-            .filter(|r| r.status == jetworker::protocol::Status::Running)
-    })
-    .await;
-    let body = r#"{"id":"long-1"}"#;
+    running(&js_ctx, "long-1").await;
 
     // Read-only: no cancel button, and the API refuses even with the CSRF.
     {
@@ -294,15 +309,12 @@ async fn ui_cancel_needs_allow_actions_csrf_and_the_token() {
             "no cancel button without --allow-actions"
         );
         let token = csrf(&page).await;
-        let r = http(
+        let r = post_cancel(
             ui.port,
-            "POST",
-            "/api/actions/cancel",
             &[
                 ("Content-Type", "application/json"),
                 ("X-Jetworker-Csrf", &token),
             ],
-            body,
         );
         assert_eq!(r.status, 403, "{r:?}");
         assert!(r.body.contains("--allow-actions"), "{r:?}");
@@ -318,23 +330,14 @@ async fn ui_cancel_needs_allow_actions_csrf_and_the_token() {
     let secret = "tok-0123456789abcdef";
     let ui = UiProc::start(&srv.url(), &["--allow-actions", "--ui-token", secret]);
     let bearer = format!("Bearer {secret}");
-    let r = http(
-        ui.port,
-        "POST",
-        "/api/actions/cancel",
-        &[("Content-Type", "application/json")],
-        body,
-    );
+    let r = post_cancel(ui.port, &[("Content-Type", "application/json")]);
     assert_eq!(r.status, 401, "no token: {r:?}");
-    let r = http(
+    let r = post_cancel(
         ui.port,
-        "POST",
-        "/api/actions/cancel",
         &[
             ("Content-Type", "application/json"),
             ("Authorization", &bearer),
         ],
-        body,
     );
     assert_eq!(r.status, 403, "token but no CSRF: {r:?}");
     assert!(
@@ -522,46 +525,30 @@ async fn ui_views_render_results_dead_letters_and_schedules() {
         .await
         .unwrap();
     // A schedule, through the CLI.
-    let out = std::process::Command::new(util::jetworker_bin())
-        .args([
-            "--no-context",
-            "--server",
-            &srv.url(),
-            "schedule",
-            "add",
-            "nightly-report",
-        ])
-        .args([
-            "--cron",
-            "0 30 2 * * *",
-            "--label",
-            "reports",
-            "--",
-            "echo nightly",
-        ])
-        .env("XDG_CONFIG_HOME", "/nonexistent-jetworker-test")
-        .output()
-        .unwrap();
+    let add = [
+        "schedule",
+        "add",
+        "nightly-report",
+        "--cron",
+        "0 30 2 * * *",
+    ];
+    let task = ["--label", "reports", "--", "echo nightly"];
+    let out = super::cli::jw(&srv.url(), &[&add[..], &task[..]].concat()).await;
     assert!(
         out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        "schedule add: {}",
+        super::cli::stderr(&out)
     );
     util::final_result(&js_ctx, "bad-1", T).await;
     util::final_result(&js_ctx, "ok-1", T).await;
-    util::wait_for(T, "slow-1 running", || async {
-        util::last_result(&js_ctx, "slow-1")
-            .await
-            .filter(|r| r.status == jetworker::protocol::Status::Running)
-    })
-    .await;
+    running(&js_ctx, "slow-1").await;
 
     let page = browser.new_page().await;
     page.goto(&ui.url).await;
     page.wait(
         "both workers",
         T,
-        "document.querySelectorAll('#workers-table tbody tr:not(.offline)').length === 2",
+        "document.querySelectorAll('#workers-table .body .row:not(.offline)').length === 2",
     )
     .await;
     page.wait(
@@ -574,7 +561,7 @@ async fn ui_views_render_results_dead_letters_and_schedules() {
 
     // Results: newest first, filters, a task's attempts.
     page.eval("location.hash = '#/results'").await;
-    let ids = "[...document.querySelectorAll('#results-table tbody a.id')].map(a => a.textContent)";
+    let ids = "[...document.querySelectorAll('#results-table .body a.id')].map(a => a.textContent)";
     page.wait(
         "the results",
         T,
@@ -675,7 +662,7 @@ async fn ui_views_render_results_dead_letters_and_schedules() {
     page.wait(
         "the queues",
         T,
-        "['default','gpu','reports'].every(l => [...document.querySelectorAll('#queues-table td.id')].some(td => td.textContent === l))",
+        "['default','gpu','reports'].every(l => [...document.querySelectorAll('#queues-table .body .id')].some(td => td.textContent === l))",
     )
     .await;
     page.wait(
@@ -684,8 +671,8 @@ async fn ui_views_render_results_dead_letters_and_schedules() {
         "window.jetworkerUi.Chart.points.size > 0",
     )
     .await;
-    let gpu_row = "[...document.querySelectorAll('#queues-table tbody tr')].find(tr => tr.firstChild.textContent === 'gpu')";
-    let reports_row = "[...document.querySelectorAll('#queues-table tbody tr')].find(tr => tr.firstChild.textContent === 'reports')";
+    let gpu_row = "[...document.querySelectorAll('#queues-table .body .row')].find(r => r.firstChild.textContent === 'gpu')";
+    let reports_row = "[...document.querySelectorAll('#queues-table .body .row')].find(r => r.firstChild.textContent === 'reports')";
     // slow-1 runs on reports: one running, its worker listed.
     page.wait(
         "reports running 1",

@@ -170,16 +170,74 @@
     if (view === 'submit') Submit.enter();
   }
 
+  // ------------------------------------------------------------ keyed rows
+
+  // A live list whose rows stay in key order and are updated in place,
+  // never rebuilt: `spec` gives makeRow(key) -> {el, c}, fill(row, item)
+  // and summary(); events bring {rows, removed}, a snapshot the whole list.
+  function keyedRows(tableId, keyOf, spec) {
+    return Object.assign({
+      rows: new Map(), // key -> {el, c, data, ...}
+      sorted: [],      // keys, sorted
+      body: null,
+
+      initRows() { this.body = $(tableId).querySelector('.body'); },
+
+      // Insert keeping the key order (binary search).
+      place(key, el) {
+        let lo = 0, hi = this.sorted.length;
+        while (lo < hi) {
+          const mid = (lo + hi) >> 1;
+          if (this.sorted[mid] < key) lo = mid + 1; else hi = mid;
+        }
+        const before = lo < this.sorted.length ? this.rows.get(this.sorted[lo]).el : null;
+        this.sorted.splice(lo, 0, key);
+        this.body.insertBefore(el, before);
+      },
+
+      upsert(item) {
+        const key = keyOf(item);
+        let r = this.rows.get(key);
+        if (!r) {
+          r = this.makeRow(key);
+          this.rows.set(key, r);
+          this.place(key, r.el);
+        }
+        r.data = item;
+        this.fill(r, item);
+      },
+
+      remove(key) {
+        const r = this.rows.get(key);
+        if (!r) return;
+        r.el.remove();
+        this.rows.delete(key);
+        const i = this.sorted.indexOf(key);
+        if (i >= 0) this.sorted.splice(i, 1);
+      },
+
+      snapshot(list) {
+        const keep = new Set(list.map(keyOf));
+        for (const key of [...this.rows.keys()]) if (!keep.has(key)) this.remove(key);
+        for (const item of list) this.upsert(item);
+        this.summary();
+      },
+
+      apply(ev) {
+        for (const key of ev.removed || []) this.remove(key);
+        for (const item of ev.rows || []) this.upsert(item);
+        this.summary();
+      },
+    }, spec);
+  }
+
   // -------------------------------------------------------------- workers
 
-  const Workers = {
-    rows: new Map(), // id -> {tr, c: cells, data, tasksKey}
-    sorted: [],      // ids, sorted
-    tbody: null,
+  const Workers = keyedRows('workers-table', (w) => w.id, {
     filter: '',
 
     init() {
-      this.tbody = $('workers-table').tBodies[0];
+      this.initRows();
       $('workers-filter').addEventListener('input', (e) => {
         this.filter = e.target.value.trim().toLowerCase();
         for (const r of this.rows.values()) this.applyFilter(r);
@@ -188,49 +246,32 @@
 
     makeRow(id) {
       const c = {
-        state: h('td', { class: 'state' }),
-        id: h('td', { class: 'id', text: id }),
-        host: h('td'),
-        labels: h('td'),
-        types: h('td'),
-        running: h('td', { class: 'num' }),
-        tasks: h('td', { class: 'tasks' }),
-        version: h('td'),
-        started: h('td'),
-        seen: h('td'),
+        state: h('span', { class: 'state' }),
+        id: h('span', { class: 'id', text: id }),
+        host: h('span'),
+        labels: h('span'),
+        types: h('span'),
+        running: h('span', { class: 'num' }),
+        tasks: h('span', { class: 'tasks' }),
+        version: h('span'),
+        started: h('span'),
+        seen: h('span'),
       };
-      const tr = h('tr', null, c.state, c.id, c.host, c.labels, c.types, c.running, c.tasks, c.version, c.started, c.seen);
-      tr.dataset.id = id;
-      return { tr, c, data: null, tasksKey: null };
+      const el = h('div', { class: 'row' }, c.state, c.id, c.host, c.labels, c.types, c.running, c.tasks, c.version, c.started, c.seen);
+      el.dataset.id = id;
+      return { el, c, data: null, tasksKey: null };
     },
 
-    // Insert keeping the id order (binary search).
-    place(id, tr) {
-      let lo = 0, hi = this.sorted.length;
-      while (lo < hi) {
-        const mid = (lo + hi) >> 1;
-        if (this.sorted[mid] < id) lo = mid + 1; else hi = mid;
-      }
-      const before = lo < this.sorted.length ? this.rows.get(this.sorted[lo]).tr : null;
-      this.sorted.splice(lo, 0, id);
-      this.tbody.insertBefore(tr, before);
-    },
-
-    upsert(w) {
-      let r = this.rows.get(w.id);
-      if (!r) {
-        r = this.makeRow(w.id);
-        this.rows.set(w.id, r);
-        this.place(w.id, r.tr);
-      }
-      r.data = w;
+    fill(r, w) {
       const c = r.c;
-      r.tr.classList.toggle('offline', !w.online);
+      r.el.classList.toggle('offline', !w.online);
       setText(c.state, w.online ? '●' : '○');
       c.state.title = w.online ? 'online' : 'offline (' + (w.offline_reason || 'gone') + ')';
       setText(c.host, w.hostname + ' · pid ' + w.pid);
       setText(c.labels, (w.labels || []).join(', '));
       setText(c.types, (w.types || []).join(', '));
+      c.labels.title = c.labels.textContent;
+      c.types.title = c.types.textContent;
       setText(c.running, w.online ? w.running + ' / ' + w.slots : '– / ' + w.slots);
       const key = w.online ? (w.tasks || []).join(' ') : '';
       if (key !== r.tasksKey) {
@@ -249,15 +290,6 @@
       this.applyFilter(r);
     },
 
-    remove(id) {
-      const r = this.rows.get(id);
-      if (!r) return;
-      r.tr.remove();
-      this.rows.delete(id);
-      const i = this.sorted.indexOf(id);
-      if (i >= 0) this.sorted.splice(i, 1);
-    },
-
     applyFilter(r) {
       const f = this.filter;
       let show = true;
@@ -266,21 +298,7 @@
         const hay = [w.id, w.hostname, w.version, ...(w.labels || []), ...(w.types || [])].join(' ').toLowerCase();
         show = hay.includes(f);
       }
-      if (r.tr.hidden === show) r.tr.hidden = !show;
-    },
-
-    snapshot(list) {
-      const keep = new Set(list.map((w) => w.id));
-      for (const id of [...this.rows.keys()]) if (!keep.has(id)) this.remove(id);
-      list.sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
-      for (const w of list) this.upsert(w);
-      this.summary();
-    },
-
-    apply(ev) {
-      for (const id of ev.removed || []) this.remove(id);
-      for (const w of ev.rows || []) this.upsert(w);
-      this.summary();
+      if (r.el.hidden === show) r.el.hidden = !show;
     },
 
     summary() {
@@ -292,28 +310,24 @@
       setText($('workers-summary'), online + ' online, ' + offline + ' offline · ' + running + ' of ' + slots + ' slots busy');
       $('workers-empty').hidden = this.rows.size > 0;
     },
-  };
+  });
 
   // --------------------------------------------------------------- queues
 
-  const Queues = {
-    rows: new Map(),
-    sorted: [],
-    tbody: null,
-
-    init() { this.tbody = $('queues-table').tBodies[0]; },
+  const Queues = keyedRows('queues-table', (q) => q.label, {
+    init() { this.initRows(); },
 
     makeRow(label) {
       const c = {
-        label: h('td', { class: 'id', text: label }),
-        waiting: h('td', { class: 'num' }),
-        running: h('td', { class: 'num' }),
-        redelivered: h('td', { class: 'num' }),
-        oldest: h('td', { class: 'num' }),
-        workers: h('td', { class: 'num' }),
-        slots: h('td', { class: 'num' }),
-        state: h('td'),
-        action: h('td', { class: 'action-only' }),
+        label: h('span', { class: 'id', text: label }),
+        waiting: h('span', { class: 'num' }),
+        running: h('span', { class: 'num' }),
+        redelivered: h('span', { class: 'num' }),
+        oldest: h('span', { class: 'num' }),
+        workers: h('span', { class: 'num' }),
+        slots: h('span', { class: 'num' }),
+        state: h('span'),
+        action: h('span', { class: 'action-only' }),
       };
       const button = h('button', { type: 'button' });
       button.addEventListener('click', () => {
@@ -322,22 +336,11 @@
         doAction(paused ? 'resume' : 'pause', { label }, button);
       });
       c.action.append(button);
-      const tr = h('tr', null, c.label, c.waiting, c.running, c.redelivered, c.oldest, c.workers, c.slots, c.state, c.action);
-      return { tr, c, button, data: null };
+      const el = h('div', { class: 'row' }, c.label, c.waiting, c.running, c.redelivered, c.oldest, c.workers, c.slots, c.state, c.action);
+      return { el, c, button, data: null };
     },
 
-    upsert(q) {
-      let r = this.rows.get(q.label);
-      if (!r) {
-        r = this.makeRow(q.label);
-        this.rows.set(q.label, r);
-        let i = 0;
-        while (i < this.sorted.length && this.sorted[i] < q.label) i++;
-        const before = i < this.sorted.length ? this.rows.get(this.sorted[i]).tr : null;
-        this.sorted.splice(i, 0, q.label);
-        this.tbody.insertBefore(r.tr, before);
-      }
-      r.data = q;
+    fill(r, q) {
       const c = r.c;
       setText(c.waiting, q.waiting);
       setText(c.running, q.running);
@@ -346,32 +349,11 @@
       setText(c.workers, (q.workers || []).length);
       c.workers.title = (q.workers || []).join('\n');
       setText(c.slots, q.slots);
-      let state = q.paused ? 'paused' + (q.paused_until ? ' until ' + fmtTime(q.paused_until) : '') : (q.consumer === false ? 'no consumer yet' : 'active');
+      const state = q.paused ? 'paused' + (q.paused_until ? ' until ' + fmtTime(q.paused_until) : '') : (q.consumer === false ? 'no consumer yet' : 'active');
       setText(c.state, state);
-      r.tr.classList.toggle('paused', !!q.paused);
+      r.el.classList.toggle('paused', !!q.paused);
       setText(r.button, q.paused ? 'Resume' : 'Pause');
       r.button.disabled = q.consumer === false;
-    },
-
-    remove(label) {
-      const r = this.rows.get(label);
-      if (!r) return;
-      r.tr.remove();
-      this.rows.delete(label);
-      this.sorted.splice(this.sorted.indexOf(label), 1);
-    },
-
-    snapshot(list) {
-      const keep = new Set(list.map((q) => q.label));
-      for (const l of [...this.rows.keys()]) if (!keep.has(l)) this.remove(l);
-      for (const q of list) this.upsert(q);
-      this.summary();
-    },
-
-    apply(ev) {
-      for (const l of ev.removed || []) this.remove(l);
-      for (const q of ev.rows || []) this.upsert(q);
-      this.summary();
     },
 
     summary() {
@@ -380,7 +362,7 @@
       setText($('n-queues'), waiting ? waiting + ' waiting' : '');
       $('queues-empty').hidden = this.rows.size > 0;
     },
-  };
+  });
 
   // ---------------------------------------------------------------- chart
 
@@ -489,15 +471,15 @@
   const MAX_RESULT_ROWS = 1000;
 
   const Results = {
-    rows: new Map(), // id -> {tr, c, seq}
-    tbody: null,
+    rows: new Map(), // id -> {el, c, seq}
+    body: null,
     filter: { status: '', label: '', prefix: '', since: '' },
     next: null,
     loaded: false,
     loading: false,
 
     init() {
-      this.tbody = $('results-table').tBodies[0];
+      this.body = $('results-table').querySelector('.body');
       $('results-filter').addEventListener('submit', (e) => {
         e.preventDefault();
         this.filter = {
@@ -515,7 +497,7 @@
 
     reload() {
       this.rows.clear();
-      this.tbody.replaceChildren();
+      this.body.replaceChildren();
       this.load(null);
     },
 
@@ -534,7 +516,7 @@
       try {
         const page = await getJSON(this.query(before));
         this.loaded = true;
-        for (const r of page.rows) if (!this.rows.has(r.id)) this.tbody.append(this.makeRow(r).tr);
+        for (const r of page.rows) if (!this.rows.has(r.id)) this.body.append(this.makeRow(r).el);
         this.next = page.next_before;
         $('results-more').hidden = !this.next;
         setText($('results-info'), this.rows.size + ' tasks shown' +
@@ -551,17 +533,17 @@
 
     makeRow(r) {
       const c = {
-        id: h('td', null, taskLink(r.id)),
-        label: h('td'),
-        status: h('td', null, h('span')),
-        attempt: h('td', { class: 'num' }),
-        duration: h('td', { class: 'num' }),
-        worker: h('td'),
-        finished: h('td'),
-        snippet: h('td', { class: 'snippet' }),
+        id: h('span', null, taskLink(r.id)),
+        label: h('span'),
+        status: h('span', null, h('span')),
+        attempt: h('span', { class: 'num' }),
+        duration: h('span', { class: 'num' }),
+        worker: h('span'),
+        finished: h('span'),
+        snippet: h('span', { class: 'snippet' }),
       };
-      const tr = h('tr', null, c.id, c.label, c.status, c.attempt, c.duration, c.worker, c.finished, c.snippet);
-      const e = { tr, c, seq: 0 };
+      const el = h('div', { class: 'row' }, c.id, c.label, c.status, c.attempt, c.duration, c.worker, c.finished, c.snippet);
+      const e = { el, c, seq: 0 };
       this.rows.set(r.id, e);
       this.fill(e, r);
       return e;
@@ -593,20 +575,20 @@
         const e = this.rows.get(r.id);
         if (e && r.seq <= e.seq) continue;
         if (!this.matches(r)) {
-          if (e) { e.tr.remove(); this.rows.delete(r.id); }
+          if (e) { e.el.remove(); this.rows.delete(r.id); }
           continue;
         }
         if (e) {
           this.fill(e, r);
-          if (this.tbody.firstChild !== e.tr) this.tbody.prepend(e.tr);
+          if (this.body.firstChild !== e.el) this.body.prepend(e.el);
         } else {
-          this.tbody.prepend(this.makeRow(r).tr);
+          this.body.prepend(this.makeRow(r).el);
         }
       }
       while (this.rows.size > MAX_RESULT_ROWS) {
-        const last = this.tbody.lastChild;
+        const last = this.body.lastChild;
         if (!last) break;
-        for (const [id, e] of this.rows) if (e.tr === last) { this.rows.delete(id); break; }
+        for (const [id, e] of this.rows) if (e.el === last) { this.rows.delete(id); break; }
         last.remove();
       }
       $('results-empty').hidden = this.rows.size > 0;
@@ -785,18 +767,15 @@
       });
     },
 
-    // A record of this task arrived on the results feed.
+    // A record of this task arrived on the results feed: show it (and
+    // follow the output of an attempt that started since).
     apply(ev) {
       if (current !== 'task' || !this.id) return;
-      for (const r of ev.rows || []) {
-        if (r.id !== this.id) continue;
-        if (!this.last || r.seq) {
-          this.refresh().then(() => {
-            if (this.last && !this.last.final && !this.es) this.follow();
-          });
-        }
-        return;
-      }
+      if (!(ev.rows || []).some((r) => r.id === this.id)) return;
+      const id = this.id;
+      this.refresh().then(() => {
+        if (this.id === id && this.last && !this.last.final && !this.es) this.follow();
+      });
     },
   };
 
@@ -1035,6 +1014,7 @@
       Chart.snapshot(s.stats, s.bucket_secs, s.window_secs);
       conn.textContent = 'live';
       conn.className = 'conn up';
+      if (!document.body.dataset.ready) performance.mark('jetworker-snapshot');
       document.body.dataset.ready = '1';
     });
     es.addEventListener('workers', (e) => Workers.apply(JSON.parse(e.data)));
