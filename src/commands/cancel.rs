@@ -92,6 +92,71 @@ fn never_ran(r: &TaskResult) -> bool {
             .is_some_and(|e| e.starts_with("cancelled before it started"))
 }
 
+/// What [`request`] came to, before any waiting.
+pub(crate) enum Requested {
+    /// The task has a final result already: nothing was stored.
+    Finished(Box<TaskResult>),
+    /// No result, not running, not queued (and not `force`d): nothing was
+    /// stored, since the key would cancel a later task with this id.
+    Unknown,
+    /// The key is stored.
+    Stored {
+        /// The worker running the task, where known.
+        worker: Option<String>,
+        /// The RESULTS sequence before the key was stored (a waiter for
+        /// the final result reads from there).
+        since_seq: u64,
+        /// The queue was too long to look for an id with no result.
+        queue_unchecked: bool,
+    },
+}
+
+/// Store the cancellation of `id` (KV `cancel`, the reason as the value),
+/// unless the task finished already or is unknown and not `force`d: the
+/// one place that decides it, for the CLI and for `jetworker ui`.
+pub(crate) async fn request(
+    conn: &Conn,
+    id: &str,
+    reason: Option<&str>,
+    force: bool,
+) -> anyhow::Result<Requested> {
+    if !valid_id(id) {
+        bail!("`{id}` is not a task id ([A-Za-z0-9_-]{{1,128}})");
+    }
+    let results = conn.ensure_results().await?;
+    let last = conn.last_result(&results, id).await?;
+    if let Some(r) = last.as_ref().filter(|r| r.is_final) {
+        return Ok(Requested::Finished(Box::new(r.clone())));
+    }
+    let since_seq = conn.results_last_seq().await;
+    // A `running` record names the worker at once; heartbeats lag.
+    let worker = match &last {
+        Some(r) if r.status == Status::Running => Some(r.worker_id.clone()),
+        _ => running_on(conn, id).await,
+    };
+    let mut queue_unchecked = false;
+    if last.is_none() && worker.is_none() && !force {
+        match crate::queues::find_queued(&conn.js, &conn.names, id).await? {
+            crate::queues::Queued::Found { .. } => {}
+            crate::queues::Queued::Absent => return Ok(Requested::Unknown),
+            crate::queues::Queued::NotSearched => queue_unchecked = true,
+        }
+    }
+    let store = match conn.js.get_key_value(&conn.names.cancel_bucket).await {
+        Ok(s) => s,
+        Err(_) => conn.ensure_infra().await?.cancel,
+    };
+    store
+        .put(id, reason.unwrap_or_default().to_string().into())
+        .await
+        .with_context(|| format!("cannot store the cancellation of {id}"))?;
+    Ok(Requested::Stored {
+        worker,
+        since_seq,
+        queue_unchecked,
+    })
+}
+
 pub async fn run(ctx: &super::Ctx, args: CancelArgs) -> anyhow::Result<Exit> {
     if !valid_id(&args.id) {
         bail!("`{}` is not a task id ([A-Za-z0-9_-]{{1,128}})", args.id);
@@ -99,10 +164,8 @@ pub async fn run(ctx: &super::Ctx, args: CancelArgs) -> anyhow::Result<Exit> {
     let id = args.id.clone();
     let wait = parse_duration(&args.wait).map_err(|e| anyhow::anyhow!("--wait: {e}"))?;
     let conn = Conn::open(ctx).await?;
-    let results = conn.ensure_results().await?;
-    let last = conn.last_result(&results, &id).await?;
-    if let Some(r) = &last {
-        if r.is_final {
+    let (worker, since_seq) = match request(&conn, &id, args.reason.as_deref(), args.force).await? {
+        Requested::Finished(r) => {
             report(
                 Outcome {
                     id: id.clone(),
@@ -116,50 +179,40 @@ pub async fn run(ctx: &super::Ctx, args: CancelArgs) -> anyhow::Result<Exit> {
             )?;
             return Ok(Exit::NotSucceeded);
         }
-    }
-    let since_seq = conn.results_last_seq().await;
-    // A `running` record names the worker at once; heartbeats lag.
-    let worker = match &last {
-        Some(r) if r.status == Status::Running => Some(r.worker_id.clone()),
-        _ => running_on(&conn, &id).await,
-    };
-    if last.is_none() && worker.is_none() && !args.force {
-        match crate::queues::find_queued(&conn.js, &conn.names, &id).await? {
-            crate::queues::Queued::Found { .. } => {}
-            crate::queues::Queued::Absent => {
-                eprintln!(
-                    "jetworker: no task {id} is known: no result, not running, not queued. \
-                     A cancellation stored now would cancel a task submitted later with this id; \
-                     use --force to store it anyway"
-                );
-                report(
-                    Outcome {
-                        id: id.clone(),
-                        outcome: "unknown",
-                        status: None,
-                        worker: None,
-                        ran_ms: None,
-                        message: format!("{id}: unknown task; nothing cancelled"),
-                    },
-                    args.json,
-                )?;
-                return Ok(Exit::NotSucceeded);
-            }
-            crate::queues::Queued::NotSearched => eprintln!(
-                "jetworker: the queue holds more than {} tasks; \
-                 not checked whether {id} is among them",
-                crate::queues::SCAN_LIMIT
-            ),
+        Requested::Unknown => {
+            eprintln!(
+                "jetworker: no task {id} is known: no result, not running, not queued. \
+                 A cancellation stored now would cancel a task submitted later with this id; \
+                 use --force to store it anyway"
+            );
+            report(
+                Outcome {
+                    id: id.clone(),
+                    outcome: "unknown",
+                    status: None,
+                    worker: None,
+                    ran_ms: None,
+                    message: format!("{id}: unknown task; nothing cancelled"),
+                },
+                args.json,
+            )?;
+            return Ok(Exit::NotSucceeded);
         }
-    }
-    let store = match conn.js.get_key_value(&conn.names.cancel_bucket).await {
-        Ok(s) => s,
-        Err(_) => conn.ensure_infra().await?.cancel,
+        Requested::Stored {
+            worker,
+            since_seq,
+            queue_unchecked,
+        } => {
+            if queue_unchecked {
+                eprintln!(
+                    "jetworker: the queue holds more than {} tasks; \
+                     not checked whether {id} is among them",
+                    crate::queues::SCAN_LIMIT
+                );
+            }
+            (worker, since_seq)
+        }
     };
-    store
-        .put(&id, args.reason.clone().unwrap_or_default().into())
-        .await
-        .with_context(|| format!("cannot store the cancellation of {id}"))?;
 
     // A queued task is cancelled when a worker pulls it, which may be much
     // later: only wait long for a task that is running. Heartbeats lag the

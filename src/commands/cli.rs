@@ -77,6 +77,8 @@ pub enum Command {
     Schema(super::schema::SchemaArgs),
     /// Create or update the streams and buckets.
     Setup(super::setup::SetupArgs),
+    /// Serve a live web dashboard (workers, queues, results, live output).
+    Ui(crate::ui::UiArgs),
     /// Check the settings and show where each comes from.
     Config(super::configcmd::ConfigArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).

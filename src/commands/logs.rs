@@ -199,23 +199,62 @@ impl Printer {
         headers: Option<&async_nats::HeaderMap>,
         payload: &[u8],
     ) -> anyhow::Result<Option<bool>> {
-        let attempt = header(headers, HEADER_ATTEMPT).and_then(|a| a.parse().ok());
-        match header(headers, HEADER_STREAM).as_deref() {
-            Some("eof") => {
-                let is_final = header(headers, HEADER_FINAL).as_deref() != Some("false");
+        match LiveMsg::parse(headers, payload) {
+            LiveMsg::Eof { is_final } => {
                 self.attempt_end(is_final)?;
                 return Ok(Some(is_final));
             }
-            Some("skipped") => {
-                let n = header(headers, HEADER_SKIPPED)
-                    .and_then(|n| n.parse().ok())
-                    .unwrap_or(0);
-                self.skipped(attempt, n)?;
-            }
-            Some("stderr") => self.output(attempt, "stderr", payload)?,
-            _ => self.output(attempt, "stdout", payload)?,
+            LiveMsg::Skipped { attempt, bytes } => self.skipped(attempt, bytes)?,
+            LiveMsg::Output {
+                attempt,
+                stream,
+                data,
+            } => self.output(attempt, stream, data)?,
         }
         Ok(None)
+    }
+}
+
+/// One message of a task's live output (`logs.<id>`), read from its
+/// headers: how `logs -f` and `jetworker ui` tell chunks from markers.
+#[derive(Debug, PartialEq)]
+pub(crate) enum LiveMsg<'a> {
+    /// A chunk of output; `stream` is `stdout` or `stderr`.
+    Output {
+        attempt: Option<u32>,
+        stream: &'static str,
+        data: &'a [u8],
+    },
+    /// The rate cap left `bytes` off the live stream (the result has them).
+    Skipped { attempt: Option<u32>, bytes: u64 },
+    /// An attempt ended; `is_final`: no retry follows.
+    Eof { is_final: bool },
+}
+
+impl<'a> LiveMsg<'a> {
+    pub(crate) fn parse(headers: Option<&async_nats::HeaderMap>, payload: &'a [u8]) -> Self {
+        let attempt = header(headers, HEADER_ATTEMPT).and_then(|a| a.parse().ok());
+        match header(headers, HEADER_STREAM).as_deref() {
+            Some("eof") => LiveMsg::Eof {
+                is_final: header(headers, HEADER_FINAL).as_deref() != Some("false"),
+            },
+            Some("skipped") => LiveMsg::Skipped {
+                attempt,
+                bytes: header(headers, HEADER_SKIPPED)
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0),
+            },
+            Some("stderr") => LiveMsg::Output {
+                attempt,
+                stream: "stderr",
+                data: payload,
+            },
+            _ => LiveMsg::Output {
+                attempt,
+                stream: "stdout",
+                data: payload,
+            },
+        }
     }
 }
 
@@ -240,15 +279,68 @@ fn print_stored(r: &TaskResult, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A task's final result, watched in the background from `since_seq` (the
+/// RESULTS sequence read before looking at the last record); the watch
+/// stops when this is dropped.
+pub(crate) struct FinalWatch {
+    pub rx: tokio::sync::oneshot::Receiver<TaskResult>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FinalWatch {
+    pub(crate) fn start(conn: &Conn, id: &str, since_seq: u64) -> FinalWatch {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let conn = conn.clone();
+        let ids = vec![id.to_string()];
+        let task = tokio::spawn(async move {
+            let mut tx = Some(tx);
+            let _ = conn
+                .wait_finals(&ids, since_seq, None, |r| {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(r.clone());
+                    }
+                })
+                .await;
+        });
+        FinalWatch { rx, task }
+    }
+}
+
+impl Drop for FinalWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Live messages: from the logs stream (from the start of what it keeps),
 /// or a plain subscription where there is no such stream.
-enum Live {
+pub(crate) enum Live {
     Stream(Box<OrderedReader>),
     Core(async_nats::Subscriber),
 }
 
 impl Live {
-    async fn next(
+    /// Attach to the live output of `id`, flushed so that nothing published
+    /// from the return on is missed (and, with the logs stream, nothing it
+    /// still keeps from before).
+    pub(crate) async fn open(conn: &Conn, id: &str) -> anyhow::Result<Live> {
+        let subject = conn.names.logs_subject(id);
+        let live = match conn.js.get_stream(logs_stream_name(&conn.names)).await {
+            Ok(s) => Live::Stream(Box::new(
+                OrderedReader::open(&s, vec![subject], DeliverPolicy::All).await?,
+            )),
+            Err(_) => Live::Core(
+                conn.client
+                    .subscribe(subject)
+                    .await
+                    .context("cannot subscribe to the live output")?,
+            ),
+        };
+        conn.client.flush().await.context("cannot subscribe")?;
+        Ok(live)
+    }
+
+    pub(crate) async fn next(
         &mut self,
     ) -> anyhow::Result<Option<(Option<async_nats::HeaderMap>, bytes::Bytes)>> {
         Ok(match self {
@@ -277,19 +369,7 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
     }
 
     // Attach before looking at the results, so nothing falls between.
-    let subject = conn.names.logs_subject(&args.id);
-    let mut live = match conn.js.get_stream(logs_stream_name(&conn.names)).await {
-        Ok(s) => Live::Stream(Box::new(
-            OrderedReader::open(&s, vec![subject], DeliverPolicy::All).await?,
-        )),
-        Err(_) => Live::Core(
-            conn.client
-                .subscribe(subject)
-                .await
-                .context("cannot subscribe to the live output")?,
-        ),
-    };
-    conn.client.flush().await.context("cannot subscribe")?;
+    let mut live = Live::open(&conn, &args.id).await?;
     let since_seq = conn.results_last_seq().await;
     let results = conn.ensure_results().await?;
     eprintln!("jetworker: following {}", args.id);
@@ -305,21 +385,7 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
     }
 
     // The final result, watched beside the live output.
-    let (tx, mut final_rx) = tokio::sync::oneshot::channel::<TaskResult>();
-    let watcher = {
-        let ids = vec![args.id.clone()];
-        let conn = conn.clone();
-        tokio::spawn(async move {
-            let mut tx = Some(tx);
-            let _ = conn
-                .wait_finals(&ids, since_seq, None, |r| {
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(r.clone());
-                    }
-                })
-                .await;
-        })
-    };
+    let mut final_rx = FinalWatch::start(&conn, &args.id, since_seq);
 
     let mut p = Printer {
         id: args.id.clone(),
@@ -335,7 +401,7 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
                     break;
                 }
             }
-            r = &mut final_rx, if final_result.is_none() => {
+            r = &mut final_rx.rx, if final_result.is_none() => {
                 match r {
                     Ok(r) => {
                         final_result = Some(r);
@@ -357,11 +423,10 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
     }
     if final_result.is_none() {
         // Ended at eof: the attempt's result follows its output closely.
-        if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(2), final_rx).await {
+        if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(2), &mut final_rx.rx).await {
             final_result = Some(r);
         }
     }
-    watcher.abort();
     if let Some(r) = &final_result {
         p.result(r)?;
     }

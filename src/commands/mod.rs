@@ -178,6 +178,7 @@ fn run_cli(cli: Cli) -> anyhow::Result<Exit> {
             Command::Schedule(a) => schedule::run(&ctx, a).await,
             Command::Schema(a) => schema::run(&ctx, a).await,
             Command::Setup(a) => setup::run(&ctx, a).await,
+            Command::Ui(a) => crate::ui::run(&ctx, a).await,
         }
     })
 }

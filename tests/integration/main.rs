@@ -2,6 +2,7 @@
 //! nats-server (see `util`) and real workers.
 
 mod auth;
+mod browser;
 mod cli;
 mod cli_worker;
 mod cluster;
@@ -20,5 +21,7 @@ mod readme;
 mod runner_ctx;
 mod soak;
 mod steer;
+mod ui;
+mod ui_util;
 mod util;
 mod wire;

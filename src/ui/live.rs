@@ -1,0 +1,140 @@
+//! One task's live output as server-sent events: what `jetworker logs -f`
+//! follows (the logs stream from its start, so a late page sees the output
+//! so far; a plain subscription where there is no logs stream), read with
+//! the same code, until the task's final result is stored. Then the page
+//! shows the stored output of every attempt instead.
+//!
+//! Events (JSON data): `chunk` `{attempt, stream, data}`, `skipped`
+//! `{attempt, bytes}`, `eof` `{final}` at the end of each attempt,
+//! `final` `{status, attempt}` last, and `error` `{message}`.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::response::sse::Event;
+use futures::Stream;
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use crate::commands::common::Conn;
+use crate::commands::logs::{FinalWatch, Live, LiveMsg};
+use crate::protocol::TaskResult;
+
+/// Events a slow page may have outstanding before the reader waits.
+const BUFFER: usize = 256;
+
+fn event(name: &'static str, v: serde_json::Value) -> Event {
+    Event::default().event(name).data(v.to_string())
+}
+
+/// The event stream for task `id`; it ends after `final` (or when the
+/// page goes away: the reader stops at its next send).
+pub(crate) fn follow(conn: Conn, id: String) -> impl Stream<Item = Result<Event, Infallible>> {
+    let (tx, rx) = mpsc::channel::<Event>(BUFFER);
+    tokio::spawn(async move {
+        if let Err(e) = run(&conn, &id, &tx).await {
+            let _ = tx
+                .send(event("error", json!({ "message": format!("{e:#}") })))
+                .await;
+        }
+    });
+    futures::stream::unfold(
+        rx,
+        |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) },
+    )
+}
+
+fn final_event(r: &TaskResult) -> Event {
+    event("final", json!({ "status": r.status, "attempt": r.attempt }))
+}
+
+/// Send one live message; `Some(final)` at an `eof`.
+async fn forward(
+    tx: &mpsc::Sender<Event>,
+    headers: Option<&async_nats::HeaderMap>,
+    payload: &[u8],
+) -> Result<Option<bool>, ()> {
+    let (e, eof) = match LiveMsg::parse(headers, payload) {
+        LiveMsg::Output {
+            attempt,
+            stream,
+            data,
+        } => (
+            event(
+                "chunk",
+                json!({
+                    "attempt": attempt,
+                    "stream": stream,
+                    "data": String::from_utf8_lossy(data),
+                }),
+            ),
+            None,
+        ),
+        LiveMsg::Skipped { attempt, bytes } => (
+            event("skipped", json!({ "attempt": attempt, "bytes": bytes })),
+            None,
+        ),
+        LiveMsg::Eof { is_final } => (event("eof", json!({ "final": is_final })), Some(is_final)),
+    };
+    tx.send(e).await.map_err(|_| ())?;
+    Ok(eof)
+}
+
+async fn run(conn: &Conn, id: &str, tx: &mpsc::Sender<Event>) -> anyhow::Result<()> {
+    // Attach before looking at the results, so nothing falls between.
+    let mut live = Live::open(conn, id).await?;
+    let since_seq = conn.results_last_seq().await;
+    if let Ok(results) = conn.stream(&conn.names.results_stream).await {
+        if let Some(r) = conn.last_result(&results, id).await? {
+            if r.is_final {
+                let _ = tx.send(final_event(&r)).await;
+                return Ok(());
+            }
+        }
+    }
+    let mut watch = FinalWatch::start(conn, id, since_seq);
+    let final_rx = &mut watch.rx;
+    let outcome = async {
+        loop {
+            tokio::select! {
+                m = live.next() => {
+                    let Some((h, payload)) = m? else { return Ok(None) };
+                    match forward(tx, h.as_ref(), &payload).await {
+                        Err(()) => return Ok(None), // the page went away
+                        Ok(Some(true)) => {
+                            // The final attempt's result follows its output.
+                            let r = tokio::time::timeout(Duration::from_secs(5), &mut *final_rx).await;
+                            return Ok(r.ok().and_then(Result::ok));
+                        }
+                        Ok(_) => {}
+                    }
+                }
+                r = &mut *final_rx => {
+                    let Ok(r) = r else { return Ok(None) };
+                    // Chunks published just before the result may still be
+                    // on their way: take what comes in a moment.
+                    while let Ok(Ok(Some((h, payload)))) =
+                        tokio::time::timeout(Duration::from_millis(300), live.next()).await
+                    {
+                        if !matches!(forward(tx, h.as_ref(), &payload).await, Ok(None)) {
+                            break;
+                        }
+                    }
+                    return Ok(Some(r));
+                }
+            }
+        }
+    };
+    let outcome: anyhow::Result<Option<TaskResult>> = outcome.await;
+    drop(watch);
+    let r: Option<TaskResult> = outcome?;
+    match r {
+        Some(r) => {
+            let _ = tx.send(final_event(&r)).await;
+        }
+        None => {
+            let _ = tx.send(event("final", json!({}))).await;
+        }
+    }
+    Ok(())
+}
