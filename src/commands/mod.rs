@@ -18,6 +18,7 @@ pub mod schema;
 pub mod setup;
 pub mod submit;
 pub mod taskflags;
+pub mod tree;
 pub mod workers;
 
 use std::io::IsTerminal;

@@ -13,14 +13,17 @@
 //! 4. **claim** — decided against the last record on `results.<id>` and
 //!    written with compare-and-set ([`write_after`]): a final record →
 //!    Ack without running; `running` for another message → Redeliver later;
-//!    a cancel key → final `cancelled`, Ack; attempts used up → DEAD copy,
+//!    a cancel key (or a join's policy, [`Task::not_run_reason`]) → final
+//!    `cancelled`, Ack; attempts used up → DEAD copy,
 //!    final `dead`, Terminate; otherwise `running{attempt n}`. A first
 //!    delivery assumes an empty subject, so it starts after one round trip;
 //! 5. **run** — with a progress ack every quarter of ack wait; a copy whose
 //!    lease is no longer confirmed is stopped before the broker can hand
 //!    the message to someone else ([`keep_lease`]);
 //! 6. **report** — the attempt's record, compare-and-set on the claim,
-//!    through the outbox ([`super::outbox::deliver`]);
+//!    through the outbox ([`super::outbox::deliver`]); before a message
+//!    whose id has a final record is acked, the tasks that record queues
+//!    are queued ([`settle`]);
 //! 7. **answer** — [`answer`], the one place that answers the broker.
 //!
 //! Every path ends in an [`Answer`], named after what happens to the
@@ -36,6 +39,7 @@ use async_nats::HeaderMap;
 use chrono::{DateTime, Utc};
 use tracing::{debug, info, info_span, warn, Instrument};
 
+use super::downstream::{self, NotYet};
 use super::outbox::{self, Delivered, Entry, PublishFailure};
 use super::records::{self, Last};
 use super::Shared;
@@ -143,7 +147,7 @@ async fn lifecycle(
     async move {
         // 2. A type this worker runs?
         if !sh.types.contains(&task.task_type()) {
-            return other_type(sh, msg, d, &task).await;
+            return settle(sh, &task, other_type(sh, msg, d, &task).await).await;
         }
 
         // 3. Already running here?
@@ -169,14 +173,14 @@ async fn lifecycle(
         // 4. Claim the attempt (or learn that there is nothing to run).
         let (attempt, claim_seq) = match claim(sh, msg, d, &task).await {
             Ok(c) => c,
-            Err(answer) => return answer,
+            Err(answer) => return settle(sh, &task, answer).await,
         };
 
         // 5. Run.
         let (record, then) = run(sh, msg, d, &task, attempt, stop).await;
 
         // 6. Report, then 7. answer (by the caller).
-        report(sh, record, claim_seq, then).await
+        settle(sh, &task, report(sh, record, claim_seq, then).await).await
     }
     .instrument(span)
     .await
@@ -259,6 +263,10 @@ async fn claim(
             } else {
                 format!("cancelled before it started: {reason}")
             });
+        } else if let Some(why) = task.not_run_reason() {
+            info!("{why}");
+            r.status = Status::Cancelled;
+            r.error = Some(why);
         } else if attempt > task.retry.max_attempts {
             warn!("attempts used up by lost deliveries; dead-lettering");
             r.status = Status::Dead;
@@ -269,6 +277,7 @@ async fn claim(
         } else {
             r.is_final = false;
         }
+        downstream::stamp(&mut r, task);
         Plan::Write(Box::new(r))
     })
     .await?;
@@ -399,6 +408,7 @@ fn base_result(
     r.idempotency_key = Some(task.idempotency_key.clone());
     r.shard = task.shard;
     r.task_seq = Some(d.seq);
+    downstream::stamp(&mut r, task);
     r
 }
 
@@ -454,6 +464,7 @@ async fn run(
             r.is_final = false;
             r.attempt = attempt - 1;
             r.error = Some(format!("handed back by {} at shutdown", sh.id));
+            downstream::stamp(&mut r, task);
             sh.count("interrupted");
             live.end(false).await;
             return (r, Answer::Redeliver(Duration::ZERO));
@@ -474,6 +485,7 @@ async fn run(
         }
         _ => Answer::Ack,
     };
+    downstream::stamp(&mut r, task);
     info!(status = %r.status, r#final = r.is_final, attempt, duration_ms = r.duration_ms,
         exit_code = r.exit_code.map(|c| c.to_string()).unwrap_or_default(),
         error = r.error.as_deref().unwrap_or(""), "attempt finished");
@@ -575,6 +587,27 @@ async fn report(sh: &Shared, mut r: TaskResult, claim_seq: u64, then: Answer) ->
             warn!("the result can never be stored ({why}); terminating the message");
             Answer::Terminate
         }
+    }
+}
+
+/// Step 6b: before a message whose id has a final record is acked or
+/// terminated, everything that record queues is queued ([`downstream`]:
+/// `then`, a shard's part of its join). A crash in between leaves the
+/// message unacked; its redelivery finds the final record and does it
+/// again, idempotently.
+async fn settle(sh: &Shared, task: &Task, a: Answer) -> Answer {
+    if !task.has_downstream() || !matches!(a, Answer::Ack | Answer::Terminate) {
+        return a;
+    }
+    if sh.die_before_downstream {
+        warn!("JETWORKER_TEST_FAULT=die-before-downstream: exiting before the downstream tasks");
+        // SAFETY: _exit ends the process at once, like a crash would.
+        unsafe { libc::_exit(87) };
+    }
+    match downstream::ensure(sh, task).await {
+        Ok(()) => a,
+        Err(NotYet::Kept) => Answer::LeaveUnanswered,
+        Err(NotYet::Broker) => Answer::Redeliver(BROKER_RETRY),
     }
 }
 

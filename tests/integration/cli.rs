@@ -209,6 +209,9 @@ pub fn fake_result(id: &str, label: &str, status: Status, fin: bool, attempt: u3
         duration_ms: 12,
         retry_in_ms: (!fin).then_some(1000),
         task_seq: None,
+        children: Vec::new(),
+        join: None,
+        parent: None,
     }
 }
 
@@ -277,6 +280,13 @@ async fn schema_validates_design_examples_and_rejects_unknown_fields() {
         r#"{"type":"container","image":"busybox","entrypoint":["sh","-c"],"args":["echo hi"],
             "workdir":"/tmp","user":"1000","network":"none","pull":"if-missing","limits":{"memory":67108864}}"#,
         r#"{"type":"container","image":"busybox","payload":"-e A=1 --memory 64MiB"}"#,
+        r#"{"type":"shell","script":"a","then":{"type":"shell","script":"b"}}"#,
+        r#"{"type":"shell","script":"a","then":[{"type":"shell","script":"b","then":[{"type":"command","command":"c"}]},
+            {"id":"undo","type":"shell","script":"u","on":["failed","timeout"],"label":"ops"}]}"#,
+        r#"{"id":"j-0","type":"shell","script":"s","shard":{"no":0,"total":2},
+            "then_all":{"type":"shell","script":"m","policy":"always"}}"#,
+        r#"{"id":"j-join","type":"shell","script":"m","parent":"j",
+            "join_summary":{"policy":"all_success","total":2,"counts":{"success":2},"not_success":[]}}"#,
     ] {
         let task: serde_json::Value = serde_json::from_str(ok).unwrap();
         let errors: Vec<String> = v.iter_errors(&task).map(|e| e.to_string()).collect();
@@ -287,6 +297,9 @@ async fn schema_validates_design_examples_and_rejects_unknown_fields() {
         r#"{"type":"ftp","payload":"x"}"#,
         r#"{"type":"shell","retry":{"max_attempts":"3"}}"#,
         r#"{"type":"shell","shard":{"no":1}}"#,
+        r#"{"type":"shell","payload":"x","then":[{"type":"shell","timout":"5s"}]}"#,
+        r#"{"type":"shell","payload":"x","then":"echo"}"#,
+        r#"{"type":"shell","payload":"x","then":[{"type":"shell","on":["sometimes"]}]}"#,
     ] {
         let task: serde_json::Value = serde_json::from_str(bad).unwrap();
         assert!(!v.is_valid(&task), "schema accepted {bad}");
