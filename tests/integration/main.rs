@@ -2,6 +2,7 @@
 //! nats-server (see `util`) and real workers.
 
 mod auth;
+mod chains;
 mod cli;
 mod cli_worker;
 mod cluster;
