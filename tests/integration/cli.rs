@@ -387,7 +387,7 @@ async fn setup_creates_and_updates_streams_and_buckets() {
     let o = jw(&url, &dry).await;
     assert_exit(&o, 0);
     let plans = json_lines(&o);
-    assert_eq!(plans.len(), 5, "{plans:?}");
+    assert_eq!(plans.len(), 6, "{plans:?}");
     let results = plans.iter().find(|p| p["name"] == "RESULTS").unwrap();
     assert_eq!(results["action"], "would update");
     assert_eq!(results["changes"][0]["lowers"], true);
@@ -415,6 +415,12 @@ async fn setup_creates_and_updates_streams_and_buckets() {
     assert_eq!(
         cancel.info().await.unwrap().config.max_age,
         Duration::from_secs(7200)
+    );
+    // Join progress is kept as long as results.
+    let mut joins = js.get_stream("KV_joins").await.unwrap();
+    assert_eq!(
+        joins.info().await.unwrap().config.max_age,
+        Duration::from_secs(3600)
     );
     let o = jw(&url, &["setup", "--results-max-age", "forever"]).await;
     assert_exit(&o, 2);
