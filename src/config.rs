@@ -414,6 +414,11 @@ pub static SETTINGS: &[Setting] = &[
         "cancel-bucket",
         &["JETWORKER_CANCEL_BUCKET"],
     ),
+    name(
+        "names.joins_bucket",
+        "joins-bucket",
+        &["JETWORKER_JOINS_BUCKET"],
+    ),
     Setting {
         env: &["JETWORKER_LOG_FORMAT"],
         default: Dflt::Text("text"),
@@ -696,6 +701,7 @@ fn name_field<'a>(n: &'a Names, key: &str) -> Option<&'a String> {
         "names.logs_prefix" => &n.logs_prefix,
         "names.workers_bucket" => &n.workers_bucket,
         "names.cancel_bucket" => &n.cancel_bucket,
+        "names.joins_bucket" => &n.joins_bucket,
         _ => return None,
     })
 }
@@ -712,6 +718,7 @@ fn name_field_mut<'a>(n: &'a mut Names, key: &str) -> Option<&'a mut String> {
         "names.logs_prefix" => &mut n.logs_prefix,
         "names.workers_bucket" => &mut n.workers_bucket,
         "names.cancel_bucket" => &mut n.cancel_bucket,
+        "names.joins_bucket" => &mut n.joins_bucket,
         _ => return None,
     })
 }

@@ -14,6 +14,12 @@ use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+mod downstream;
+pub use downstream::{
+    Child, Join, JoinPolicy, JoinState, JoinSummary, MAX_DOWNSTREAM_DEPTH, MAX_JOIN_SHARDS,
+    MAX_TREE_TASKS,
+};
+
 /// Header carrying the result status, so that consumers can filter results
 /// without parsing JSON.
 pub const HEADER_STATUS: &str = "Jetworker-Status";
@@ -54,6 +60,8 @@ pub const RESERVED_ENV: &[&str] = &[
     "SHARD_TOTAL",
     "SCHEDULE_INSTANCE_ID",
     "ATTEMPT",
+    "PARENT_ID",
+    "JOIN_SUMMARY",
 ];
 
 /// Names of every stream, subject prefix and bucket (DESIGN.md section 2).
@@ -81,6 +89,8 @@ pub struct Names {
     pub workers_bucket: String,
     /// KV bucket of cancellation requests.
     pub cancel_bucket: String,
+    /// KV bucket of fan-in (join) progress, one key per join id.
+    pub joins_bucket: String,
 }
 
 impl Default for Names {
@@ -96,6 +106,7 @@ impl Default for Names {
             logs_prefix: "logs".into(),
             workers_bucket: "workers".into(),
             cancel_bucket: "cancel".into(),
+            joins_bucket: "joins".into(),
         }
     }
 }
@@ -111,6 +122,22 @@ impl Names {
             format!("{}.{}", self.tasks_prefix, label),
             format!("{}.{}.>", self.tasks_prefix, label),
         ]
+    }
+    /// The queue-once subject of task `id` on `label`:
+    /// `tasks.<label>.id.<id>`. Published with
+    /// `Nats-Expected-Last-Subject-Sequence: 0`, a second copy is refused
+    /// while one waits or runs (DESIGN.md section 5, "Downstream tasks").
+    pub fn once_task_subject(&self, label: &str, id: &str) -> String {
+        format!("{}.{label}.id.{id}", self.tasks_prefix)
+    }
+    /// The task id of a queue-once subject ([`Names::once_task_subject`]).
+    pub fn once_task_id<'a>(&self, subject: &'a str) -> Option<&'a str> {
+        let rest = subject
+            .strip_prefix(&self.tasks_prefix)?
+            .strip_prefix('.')?;
+        let mut t = rest.split('.');
+        let (label, id_token, id) = (t.next()?, t.next()?, t.next()?);
+        (t.next().is_none() && id_token == "id" && valid_label(label) && valid_id(id)).then_some(id)
     }
     pub fn consumer_name(&self, label: &str) -> String {
         format!("label-{label}")
@@ -213,7 +240,7 @@ pub struct Shard {
 }
 
 /// `retry`: the attempt budget and backoff of a task.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RetryMessage {
     /// Attempts in all, the first included (default 3).
@@ -232,7 +259,7 @@ pub struct RetryMessage {
 
 /// `limits`: per-task resource limits; sizes accept `256MiB`, `1GB`, or
 /// a number of bytes.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LimitsMessage {
     /// Memory ceiling (`"256MiB"`).
@@ -256,7 +283,7 @@ pub struct LimitsMessage {
 }
 
 /// A size given as a string with a unit or as a plain number of bytes.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(untagged)]
 pub enum SizeValue {
     Bytes(u64),
@@ -303,7 +330,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// HTTP success range: `[200, 299]`, `"200-299"` or a single status.
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(untagged)]
 pub enum SuccessValue {
     One(u16),
@@ -312,7 +339,7 @@ pub enum SuccessValue {
 }
 
 /// A timeout as a humantime string (`"90s"`).
-#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(untagged)]
 pub enum TimeoutValue {
     Text(String),
@@ -321,7 +348,7 @@ pub enum TimeoutValue {
 /// The task message exactly as it travels (DESIGN.md section 3). Every
 /// field is optional here so that validation can name what is missing;
 /// unknown fields are refused by serde itself.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 #[schemars(
     title = "jetworker task",
@@ -408,6 +435,39 @@ pub struct TaskMessage {
     /// container: `never`, `if-missing` (default) or `always`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pull: Option<PullPolicy>,
+    /// Tasks to queue when this one ends: a task object or an array of
+    /// them, each queued on the statuses in its `on` (default success).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "downstream::one_or_many"
+    )]
+    #[schemars(with = "Option<downstream::OneOrMany>")]
+    pub then: Option<Vec<TaskMessage>>,
+    /// Under `then` only: the final statuses that queue this task
+    /// (default `["success"]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub on: Option<Vec<Status>>,
+    /// Under `then` or `then_all` only: the label to queue it on (default:
+    /// the parent's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// On a shard: the task (the join) queued once, after every shard of
+    /// the fan-out is final.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub then_all: Option<Box<TaskMessage>>,
+    /// Under `then_all` only: `all_success` (default: the join runs only if
+    /// every shard succeeded) or `always`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<JoinPolicy>,
+    /// Set by the worker that queued this task: the parent's id (a join's:
+    /// the shards' base id); exported as PARENT_ID.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// Set by the worker that queued a join: the shards' outcome; exported
+    /// as JOIN_SUMMARY (JSON).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub join_summary: Option<JoinSummary>,
 }
 
 /// When to pull a container image.
@@ -436,6 +496,16 @@ impl Invalid {
             field: field.into(),
             problem: problem.into(),
         }
+    }
+
+    /// The same problem in a task nested at `path` (`then[1]`).
+    pub fn under(self, path: &str) -> Self {
+        let field = if self.field == "(message)" {
+            path.to_string()
+        } else {
+            format!("{path}.{}", self.field)
+        };
+        Invalid { field, ..self }
     }
 }
 
@@ -542,6 +612,14 @@ pub struct Task {
     pub deadline: Option<DateTime<Utc>>,
     pub env: BTreeMap<String, String>,
     pub limits: Limits,
+    /// Tasks queued when this one ends, by status (`then`).
+    pub then: Vec<Child>,
+    /// On a shard: the join queued after every shard is final (`then_all`).
+    pub join: Option<Join>,
+    /// The task that queued this one (`parent`, PARENT_ID).
+    pub parent: Option<String>,
+    /// On a join: the shards' outcome (`join_summary`, JOIN_SUMMARY).
+    pub join_summary: Option<JoinSummary>,
 }
 
 impl Task {
@@ -756,12 +834,25 @@ pub fn instance_time(t: DateTime<Utc>) -> String {
     t.format("%Y%m%dT%H%M%SZ").to_string()
 }
 
-/// Validate a parsed task message against DESIGN.md section 3.
+/// Validate a parsed task message against DESIGN.md section 3, with
+/// every task under it (`then`, `then_all`): an invalid one anywhere
+/// rejects the whole message, naming its path (`then[1].timeout`).
 pub fn validate(
     msg: TaskMessage,
     env: &Envelope<'_>,
     limits: &ValidationLimits,
 ) -> Result<Task, Invalid> {
+    validate_node(msg, env, limits, &mut downstream::Tree::default())
+}
+
+/// One task of a tree; `tree` counts the tasks and ids seen so far.
+fn validate_node(
+    mut msg: TaskMessage,
+    env: &Envelope<'_>,
+    limits: &ValidationLimits,
+    tree: &mut downstream::Tree,
+) -> Result<Task, Invalid> {
+    let below = downstream::Fields::take(&mut msg)?;
     let task_type = msg
         .task_type
         .ok_or_else(|| Invalid::new("type", "missing (shell, command, http or container)"))?;
@@ -930,7 +1021,7 @@ pub fn validate(
 
     let kind = build_kind(task_type, &msg, limits, &task_env, &limits_v)?;
 
-    Ok(Task {
+    let mut task = Task {
         id,
         label: env.label.to_string(),
         kind,
@@ -941,7 +1032,13 @@ pub fn validate(
         deadline,
         env: task_env,
         limits: limits_v,
-    })
+        then: Vec::new(),
+        join: None,
+        parent: None,
+        join_summary: None,
+    };
+    below.validate_into(&mut task, limits, tree)?;
+    Ok(task)
 }
 
 /// `expires`: an RFC 3339 time, or a duration counted from `stored` (the
@@ -1434,6 +1531,16 @@ pub struct TaskResult {
     /// from a second message with the same id (which waits).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_seq: Option<u64>,
+    /// Downstream tasks (`then`): on a state record every planned child's
+    /// id, on a final record the ids of those its status queued.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<String>,
+    /// On a shard with `then_all`: the join's id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join: Option<String>,
+    /// The id of the task that queued this one (`parent`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
 }
 
 impl TaskResult {
@@ -1474,6 +1581,9 @@ impl TaskResult {
             duration_ms: (finished_at - started_at).num_milliseconds().max(0) as u64,
             retry_in_ms: None,
             task_seq: None,
+            children: Vec::new(),
+            join: None,
+            parent: None,
         }
     }
 

@@ -287,6 +287,16 @@ pub async fn ensure_cancel_kv(
     ensure_kv(js, &names.cancel_bucket, o.cancel_max_age, None, o).await
 }
 
+/// The fan-in bucket (DESIGN.md section 5, "Downstream tasks"): one key
+/// per join, kept as long as results are.
+pub async fn ensure_joins_kv(
+    js: &jetstream::Context,
+    names: &Names,
+    o: &SetupOptions,
+) -> anyhow::Result<kv::Store> {
+    ensure_kv(js, &names.joins_bucket, o.results_max_age, None, o).await
+}
+
 /// Pull requests a label's consumer keeps waiting at once: each idle
 /// worker keeps one per label, and the server's default (512) refuses the
 /// rest with 409, so past 512 idle workers on a label they would spin on
@@ -336,6 +346,7 @@ pub struct Infra {
     pub dead: Stream,
     pub workers: kv::Store,
     pub cancel: kv::Store,
+    pub joins: kv::Store,
 }
 
 /// Create or check everything; replicas chosen once for all of it
@@ -372,5 +383,6 @@ pub async fn ensure_all(
         dead: ensure_stream(js, dead_stream_config(names, o), o.update_existing).await?,
         workers: ensure_workers_kv(js, names, o).await?,
         cancel: ensure_cancel_kv(js, names, o).await?,
+        joins: ensure_joins_kv(js, names, o).await?,
     })
 }

@@ -218,6 +218,20 @@ impl OrderedReader {
         }
     }
 
+    /// The next message, or `None` at `deadline` (or when the reader ends).
+    pub async fn next_before(
+        &mut self,
+        deadline: Option<tokio::time::Instant>,
+    ) -> anyhow::Result<Option<Read>> {
+        match deadline {
+            Some(d) => match tokio::time::timeout_at(d, self.next()).await {
+                Ok(r) => r,
+                Err(_) => Ok(None),
+            },
+            None => self.next().await,
+        }
+    }
+
     /// Every message up to the end of the stream as it was when the reader
     /// was opened (or a little later), then stop.
     pub async fn read_to_end(&mut self) -> anyhow::Result<Vec<Read>> {
@@ -315,14 +329,9 @@ impl Conn {
         )
         .await?;
         while !pending.is_empty() {
-            let next = match deadline {
-                Some(d) => match tokio::time::timeout_at(d, reader.next()).await {
-                    Ok(r) => r?,
-                    Err(_) => break,
-                },
-                None => reader.next().await?,
+            let Some(m) = reader.next_before(deadline).await? else {
+                break;
             };
-            let Some(m) = next else { break };
             let Ok(r) = parse_result(&m.payload) else {
                 continue;
             };

@@ -23,6 +23,7 @@ pub mod setup;
 pub mod status;
 pub mod submit;
 pub mod taskflags;
+pub mod tree;
 pub mod workers;
 
 use std::io::IsTerminal;

@@ -143,6 +143,20 @@ pub fn format_row(cells: &[String], widths: &[usize]) -> String {
     line.trim_end().to_string()
 }
 
+/// A progress bar on stderr, `⠋ 3/50 <what> [00:00:04] ▇▇▇   <msg>`;
+/// indicatif hides it when stderr is not a terminal.
+pub fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
+    let b = indicatif::ProgressBar::new(len);
+    b.set_style(
+        indicatif::ProgressStyle::with_template(&format!(
+            "{{spinner}} {{pos}}/{{len}} {what} [{{elapsed_precise}}] {{wide_bar}} {{msg}}"
+        ))
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    b.enable_steady_tick(std::time::Duration::from_millis(200));
+    b
+}
+
 /// Print one value as a JSON line on stdout.
 pub fn json_line<T: Serialize>(v: &T) -> anyhow::Result<()> {
     let mut o = std::io::stdout().lock();

@@ -4,9 +4,15 @@
 //! arrive (`jetworker: ready: following results` on stderr once subscribed).
 //! `jetworker results <id>` shows one task whole, every attempt.
 //!
+//! `jetworker results <id> --tree` shows the task and every task it queued
+//! (`then` children, or the shards `<id>-<no>` of a fan-out and their join),
+//! one row per task with its state ([`super::tree`]); `--wait` waits until
+//! every one of them is final.
+//!
 //! `--json` prints each result message (DESIGN.md section 4) as one JSON
 //! line. `results <id>` exits 0 when the task's final result is `success`,
-//! 1 otherwise (not final yet, or any other status), 2 when it has none.
+//! 1 otherwise (not final yet, or any other status), 2 when it has none;
+//! with `--tree`, 0 only when every task of the tree succeeded.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -19,8 +25,9 @@ use clap::Args;
 
 use super::common::{parse_result, Conn, OrderedReader};
 use super::output::{self, colour_enabled, status_text, Table};
+use super::tree;
 use super::Exit;
-use crate::protocol::{valid_id, Status, TaskResult};
+use crate::protocol::{parse_duration, valid_id, Status, TaskResult};
 
 #[derive(Debug, Clone, Args)]
 pub struct ResultsArgs {
@@ -44,6 +51,17 @@ pub struct ResultsArgs {
     /// Print JSON lines (one result message per line).
     #[arg(long)]
     pub json: bool,
+    /// With an id: the task and every task it queued (then, or the shards
+    /// <id>-<no> and their join), one row each.
+    #[arg(long, requires = "id")]
+    pub tree: bool,
+    /// With --tree: wait until every task of the tree is final; exit 0
+    /// only if all succeeded.
+    #[arg(long, short = 'w', requires = "tree")]
+    pub wait: bool,
+    /// Give up waiting after this long (exit 1).
+    #[arg(long, value_name = "DURATION", requires = "wait")]
+    pub wait_timeout: Option<String>,
 }
 
 /// The list filters.
@@ -65,31 +83,45 @@ const HEADERS: [&str; 8] = [
     "ID", "LABEL", "STATUS", "ATTEMPT", "DURATION", "WORKER", "FINISHED", "OUTPUT",
 ];
 
-/// A table row for one result.
-fn row(r: &TaskResult, now: DateTime<Utc>, colour: bool) -> Vec<String> {
+/// The status cell of a result: `failed (retrying)` for a non-final
+/// attempt.
+pub(super) fn status_cell(r: &TaskResult, colour: bool) -> String {
     let mut status = status_text(r.status, colour);
-    if !r.is_final && !matches!(r.status, Status::Running | Status::Queued) {
+    if !r.is_final && !r.is_state() {
         status.push_str(" (retrying)");
     }
+    status
+}
+
+/// The output cell of a result: its first line, else its error's.
+pub(super) fn output_cell(r: &TaskResult) -> String {
     let out = if r.output.trim().is_empty() {
-        r.error.clone().unwrap_or_default()
+        r.error.as_deref().unwrap_or_default()
     } else {
-        r.output.clone()
+        &r.output
     };
+    output::first_line(out, 60)
+}
+
+/// A table row for one result.
+fn row(r: &TaskResult, now: DateTime<Utc>, colour: bool) -> Vec<String> {
     vec![
         r.id.clone(),
         r.label.clone(),
-        status,
+        status_cell(r, colour),
         format!("{}/{}", r.attempt, r.max_attempts),
         output::short_duration(Duration::from_millis(r.duration_ms)),
         r.worker_id.clone(),
         output::ago(r.finished_at, now),
-        output::first_line(&out, 60),
+        output_cell(r),
     ]
 }
 
 pub async fn run(ctx: &super::Ctx, args: ResultsArgs) -> anyhow::Result<Exit> {
     let conn = Conn::open(ctx).await?;
+    if let (Some(id), true) = (&args.id, args.tree) {
+        return show_tree(&conn, id, &args).await;
+    }
     if let Some(id) = &args.id {
         return show_one(&conn, id, args.json).await;
     }
@@ -171,6 +203,39 @@ pub async fn run(ctx: &super::Ctx, args: ResultsArgs) -> anyhow::Result<Exit> {
         }
     }
     Ok(Exit::Ok)
+}
+
+/// `results <id> --tree`: the task and what it queued.
+async fn show_tree(conn: &Conn, id: &str, args: &ResultsArgs) -> anyhow::Result<Exit> {
+    if !valid_id(id) {
+        bail!("`{id}` is not a task id ([A-Za-z0-9_-]{{1,128}})");
+    }
+    let deadline = match &args.wait_timeout {
+        Some(s) => Some(
+            tokio::time::Instant::now()
+                + parse_duration(s).map_err(|e| anyhow::anyhow!("--wait-timeout: {e}"))?,
+        ),
+        None => None,
+    };
+    let since = conn.results_last_seq().await;
+    let results = conn.stream(&conn.names.results_stream).await?;
+    let roots = if args.wait {
+        tree::wait_for_roots(conn, &results, id, since, deadline).await?
+    } else {
+        tree::roots_of(conn, &results, id).await?
+    };
+    let Some(roots) = roots else {
+        bail!("no result for {id} yet, nor for shards {id}-<no> (queued, expired, or unknown)");
+    };
+    let mut recs = tree::Records::default();
+    let nodes = if args.wait {
+        tree::wait(conn, &roots, since, deadline, &mut recs).await?
+    } else {
+        tree::load(conn, &results, &roots, &mut recs).await?
+    };
+    tree::print(&roots, &nodes, &recs, args.json, colour_enabled())?;
+    std::io::stdout().flush()?;
+    Ok(tree::exit(&nodes, &recs, args.wait))
 }
 
 /// `results <id>`: every attempt.
@@ -257,6 +322,20 @@ fn write_attempt(o: &mut impl Write, r: &TaskResult, colour: bool) -> std::io::R
     }
     if let Some(k) = &r.idempotency_key {
         kv(o, "idem key", k)?;
+    }
+    if let Some(p) = &r.parent {
+        kv(o, "parent", p)?;
+    }
+    if !r.children.is_empty() {
+        let what = if r.is_final { "queued" } else { "planned" };
+        kv(
+            o,
+            "children",
+            &format!("{} ({what})", r.children.join(", ")),
+        )?;
+    }
+    if let Some(j) = &r.join {
+        kv(o, "join", j)?;
     }
     if let Some(e) = &r.error {
         kv(o, "error", e)?;

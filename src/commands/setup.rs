@@ -5,7 +5,7 @@
 //!
 //! Before changing anything it compares each existing stream and bucket
 //! with the options and prints what would change. Lowering replicas or
-//! shortening retention (results, dead letters, cancellations) loses data
+//! shortening retention (results, dead letters, cancellations, joins) loses data
 //! or redundancy, so it is refused (exit 2, nothing changed) unless
 //! `--force`; `--dry-run` only shows the changes.
 //!
@@ -151,6 +151,13 @@ fn wanted(names: &Names, o: &SetupOptions) -> Vec<(&'static str, String, String,
             names.cancel_bucket.clone(),
             format!("KV_{}", names.cancel_bucket),
             o.cancel_max_age,
+            true,
+        ),
+        (
+            "bucket",
+            names.joins_bucket.clone(),
+            format!("KV_{}", names.joins_bucket),
+            o.results_max_age,
             true,
         ),
     ]

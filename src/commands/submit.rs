@@ -12,14 +12,23 @@
 //! `jetworker schedule rm delayed.<id>` removes it. `--wait` waits through
 //! the delay.
 //!
+//! Downstream tasks (DESIGN.md section 5, "Downstream tasks"): `--then`
+//! (repeatable, or `-- a --then b --then c`) builds a chain, each step with
+//! the submitted task's settings and its own body (or a task JSON object);
+//! `--on-failure` adds a task queued if any step ends failed, timeout or
+//! dead; `--then-all` (with `--shards`) a join queued once every shard is
+//! final, `--join-policy` saying whether it needs them all to succeed.
+//!
 //! Output: without `--wait`, the id of each published task, one per line
 //! (`--json`: `{"id","subject","sequence","duplicate","at"}` per line;
 //! `subject` is the schedule's for a delayed task, `at` when it fires or
 //! null). With
 //! `--wait`, a summary line per final result, and for a single task its
-//! output (`--json`: each final result as one JSON line). Exit code 0 only
-//! if every task succeeded, 1 otherwise (including `--wait-timeout`), 2 for
-//! a bad task or a connection problem.
+//! output (`--json`: each final result as one JSON line); a task with
+//! downstream tasks waits for its whole tree and prints it as
+//! `results --tree` does. Exit code 0 only if every task (of the tree)
+//! succeeded, 1 otherwise (including `--wait-timeout`), 2 for a bad task or
+//! a connection problem.
 //!
 //! While waiting, stderr says when no online worker serves the label (the
 //! task then waits in the queue) and shows each attempt that will be
@@ -37,9 +46,13 @@ use serde::Serialize;
 use super::common::Conn;
 use super::output::{self, colour_enabled, status_text};
 use super::schedule::{check_schedules, parse_at, schedule_headers, Spec};
+use super::taskflags;
 use super::taskflags::{validate_locally, Origin, TaskArgs};
+use super::tree::{self, Roots};
 use super::Exit;
-use crate::protocol::{parse_duration, Shard, Status, TaskResult};
+use crate::protocol::{
+    parse_duration, JoinPolicy, Shard, Status, TaskMessage, TaskResult, TaskType,
+};
 
 #[derive(Debug, Clone, Args)]
 pub struct SubmitArgs {
@@ -48,6 +61,33 @@ pub struct SubmitArgs {
     /// Fan out N tasks with shard {no, total}; ids <id>-<no>.
     #[arg(long, value_name = "N")]
     pub shards: Option<u32>,
+    /// Queue this task when the one before succeeds (repeatable: a chain).
+    /// Its body as for this task (shell: the script; command, container:
+    /// the words; http: the URL) or a task JSON object; also as words:
+    /// `-- a --then b --then c`.
+    #[arg(long = "then", value_name = "TASK", help_heading = "Downstream tasks")]
+    pub then: Vec<String>,
+    /// Queue this task if any task of the chain ends failed, timeout or dead.
+    #[arg(long, value_name = "TASK", help_heading = "Downstream tasks")]
+    pub on_failure: Option<String>,
+    /// With --shards: queue this task once every shard is final (a join,
+    /// id <id>-join, with JOIN_SUMMARY in its environment).
+    #[arg(
+        long,
+        value_name = "TASK",
+        requires = "shards",
+        help_heading = "Downstream tasks"
+    )]
+    pub then_all: Option<String>,
+    /// When the join runs: all-success (only if every shard succeeded;
+    /// the default) or always.
+    #[arg(
+        long,
+        value_name = "POLICY",
+        requires = "then_all",
+        help_heading = "Downstream tasks"
+    )]
+    pub join_policy: Option<JoinPolicy>,
     /// Wait for the final result(s); exit 0 only if all succeeded.
     #[arg(long, short = 'w')]
     pub wait: bool,
@@ -94,8 +134,9 @@ pub async fn run(ctx: &super::Ctx, args: SubmitArgs) -> anyhow::Result<Exit> {
     };
     let now = Utc::now();
     let at = delayed_until(&args, now)?;
-    let base = args.task.build()?;
+    let base = with_downstream(&args)?;
     let base_id = base.id.clone().unwrap_or_else(random_id);
+    let downstream = base.then.is_some() || base.then_all.is_some();
     if let Some(e) = &base.expires {
         let queued = at.unwrap_or(now);
         if DateTime::parse_from_rfc3339(e.trim()).is_ok_and(|t| t < queued) {
@@ -187,6 +228,17 @@ pub async fn run(ctx: &super::Ctx, args: SubmitArgs) -> anyhow::Result<Exit> {
         );
     }
     warn_if_unserved(&conn, &label).await;
+    if downstream {
+        let roots = match args.shards {
+            Some(_) => Roots::Shards { base: base_id, ids },
+            None => Roots::One(base_id),
+        };
+        let deadline = wait_timeout.map(|t| tokio::time::Instant::now() + t);
+        let mut recs = tree::Records::default();
+        let nodes = tree::wait(&conn, &roots, since_seq, deadline, &mut recs).await?;
+        tree::print(&roots, &nodes, &recs, args.json, colour_enabled())?;
+        return Ok(tree::exit(&nodes, &recs, true));
+    }
     wait_and_report(&conn, &ids, since_seq, wait_timeout, args.json).await
 }
 
@@ -217,6 +269,113 @@ fn delayed_until(args: &SubmitArgs, now: DateTime<Utc>) -> anyhow::Result<Option
     Ok(None)
 }
 
+/// The task from the flags, with the downstream tasks the flags describe.
+fn with_downstream(args: &SubmitArgs) -> anyhow::Result<TaskMessage> {
+    let mut flags = (*args.task).clone();
+    let mut parts = flags.words.split(|w| w == "--then");
+    let first = parts.next().unwrap_or_default().to_vec();
+    let mut steps: Vec<Step> = parts.map(|p| Step::Words(p.to_vec())).collect();
+    if !steps.is_empty() && !args.then.is_empty() {
+        bail!("give the chain either as --then flags or as `-- a --then b`, not both");
+    }
+    steps.extend(args.then.iter().cloned().map(Step::Text));
+    flags.words = first;
+    let mut base = flags.build()?;
+    let template = template_of(&base);
+    if !steps.is_empty() || args.on_failure.is_some() {
+        if base.then.is_some() {
+            bail!("the task JSON has `then` already: give the chain either there or with --then/--on-failure");
+        }
+        let failure = match &args.on_failure {
+            Some(f) => {
+                let mut t = step_task(&template, &Step::Text(f.clone()))
+                    .map_err(|e| anyhow::anyhow!("--on-failure: {e:#}"))?;
+                t.on = Some(vec![Status::Failed, Status::Timeout, Status::Dead]);
+                Some(t)
+            }
+            None => None,
+        };
+        // From the last step back to the first, each one the next's child.
+        let mut next: Option<TaskMessage> = None;
+        for (i, s) in steps.iter().enumerate().rev() {
+            let mut t = step_task(&template, s)
+                .map_err(|e| anyhow::anyhow!("--then (step {}): {e:#}", i + 1))?;
+            append(&mut t, next.take().into_iter().chain(failure.clone()));
+            next = Some(t);
+        }
+        append(&mut base, next.into_iter().chain(failure));
+    }
+    if let Some(j) = &args.then_all {
+        if base.then_all.is_some() {
+            bail!("the task JSON has `then_all` already: give the join either there or with --then-all");
+        }
+        let mut t = step_task(&template, &Step::Text(j.clone()))
+            .map_err(|e| anyhow::anyhow!("--then-all: {e:#}"))?;
+        t.policy = args.join_policy.or(t.policy);
+        base.then_all = Some(Box::new(t));
+    }
+    Ok(base)
+}
+
+/// A downstream task given on the command line.
+enum Step {
+    /// Words after `--`, after a `--then` word.
+    Words(Vec<String>),
+    /// The value of a flag: a body, or a task JSON object.
+    Text(String),
+}
+
+/// What a step built from a body starts from: the submitted task's
+/// settings (type, timeout, retries, env, limits, image, …) without its
+/// identity, body and downstream tasks.
+fn template_of(base: &TaskMessage) -> TaskMessage {
+    let mut t = base.clone();
+    t.id = None;
+    t.idempotency_key = None;
+    t.shard = None;
+    t.shard_no = None;
+    t.shard_total = None;
+    t.then = None;
+    t.then_all = None;
+    t.payload = None;
+    t.script = None;
+    t.command = None;
+    t.args = None;
+    if t.task_type == Some(TaskType::Http) {
+        t.url = None;
+    }
+    t
+}
+
+/// A step as a task: a JSON object as it is, else the template with the
+/// step's body.
+fn step_task(template: &TaskMessage, step: &Step) -> anyhow::Result<TaskMessage> {
+    let words = match step {
+        Step::Text(t) if t.trim_start().starts_with('{') => return taskflags::parse_message(t),
+        Step::Text(t) => match template.task_type {
+            Some(TaskType::Http) => {
+                let mut m = template.clone();
+                m.url = Some(t.clone());
+                return Ok(m);
+            }
+            Some(TaskType::Shell) | None => vec![t.clone()],
+            Some(_) => shell_words::split(t).map_err(|e| anyhow::anyhow!("`{t}`: {e}"))?,
+        },
+        Step::Words(w) => w.clone(),
+    };
+    let mut m = template.clone();
+    taskflags::apply_words(&mut m, &words)?;
+    Ok(m)
+}
+
+/// Add children to a task's `then`.
+fn append(m: &mut TaskMessage, children: impl Iterator<Item = TaskMessage>) {
+    let children: Vec<TaskMessage> = children.collect();
+    if !children.is_empty() {
+        m.then.get_or_insert_with(Vec::new).extend(children);
+    }
+}
+
 /// Wait for the final results of `ids`, print them, and map them to the
 /// exit status.
 async fn wait_and_report(
@@ -227,18 +386,7 @@ async fn wait_and_report(
     json: bool,
 ) -> anyhow::Result<Exit> {
     let colour = colour_enabled();
-    let bar = (ids.len() > 1).then(|| {
-        // Hidden by indicatif itself when stderr is not a terminal.
-        let b = indicatif::ProgressBar::new(ids.len() as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{spinner} {pos}/{len} finished [{elapsed_precise}] {wide_bar} {msg}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b.enable_steady_tick(Duration::from_millis(200));
-        b
-    });
+    let bar = (ids.len() > 1).then(|| output::progress(ids.len() as u64, "finished"));
     let single = ids.len() == 1;
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
     let mut failed = 0u64;
@@ -388,4 +536,107 @@ pub fn summary(r: &TaskResult, colour: bool) -> String {
         s.push_str(&format!(": {e}"));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        a: SubmitArgs,
+    }
+
+    fn build(v: &[&str]) -> anyhow::Result<TaskMessage> {
+        let mut all = vec!["x"];
+        if !v.contains(&"--type") {
+            all.extend(["--type", "shell"]);
+        }
+        all.extend_from_slice(v);
+        with_downstream(&T::parse_from(all).a)
+    }
+
+    fn scripts(m: &TaskMessage) -> Vec<String> {
+        let mut out = vec![m.script.clone().unwrap_or_default()];
+        let mut at = m;
+        while let Some(next) = at.then.as_ref().and_then(|t| t.first()) {
+            out.push(next.script.clone().unwrap_or_default());
+            at = next;
+        }
+        out
+    }
+
+    #[test]
+    fn a_chain_from_words_or_flags() {
+        let m = build(&[
+            "--retries",
+            "1",
+            "--",
+            "echo",
+            "a",
+            "--then",
+            "echo b",
+            "--then",
+            "echo",
+            "c",
+        ])
+        .unwrap();
+        assert_eq!(scripts(&m), vec!["echo a", "echo b", "echo c"]);
+        // Each step keeps the submitted task's settings, not its identity.
+        let b = &m.then.as_ref().unwrap()[0];
+        assert_eq!(b.retry.as_ref().unwrap().max_attempts, Some(2));
+        assert!(b.id.is_none());
+        let m = build(&[
+            "--id", "x1", "--then", "echo b", "--then", "echo c", "--", "echo a",
+        ])
+        .unwrap();
+        assert_eq!(scripts(&m), vec!["echo a", "echo b", "echo c"]);
+        assert!(build(&["--then", "b", "--", "a", "--then", "c"]).is_err());
+        assert!(build(&["--", "a", "--then"]).is_err(), "an empty step");
+    }
+
+    #[test]
+    fn failure_branch_join_and_json_steps() {
+        let m = build(&["--on-failure", "undo", "--then", "b", "--", "a"]).unwrap();
+        let then = m.then.as_ref().unwrap();
+        assert_eq!(then.len(), 2);
+        assert_eq!(then[1].script.as_deref(), Some("undo"));
+        assert_eq!(
+            then[1].on.as_deref(),
+            Some(&[Status::Failed, Status::Timeout, Status::Dead][..])
+        );
+        // The last step has its own failure branch.
+        assert_eq!(
+            then[0].then.as_ref().unwrap()[0].script.as_deref(),
+            Some("undo")
+        );
+        let m = build(&[
+            "--shards",
+            "3",
+            "--then-all",
+            r#"{"type":"command","command":"merge"}"#,
+            "--join-policy",
+            "always",
+            "--",
+            "part",
+        ])
+        .unwrap();
+        let j = m.then_all.unwrap();
+        assert_eq!(j.command.as_deref(), Some("merge"));
+        assert_eq!(j.policy, Some(JoinPolicy::Always));
+        let m = build(&[
+            "--type",
+            "command",
+            "--then",
+            "/bin/echo 'b c'",
+            "--",
+            "/bin/true",
+        ])
+        .unwrap();
+        let b = &m.then.unwrap()[0];
+        assert_eq!(b.command.as_deref(), Some("/bin/echo"));
+        assert_eq!(b.args.as_deref(), Some(&["b c".to_string()][..]));
+    }
 }

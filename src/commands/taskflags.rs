@@ -266,23 +266,33 @@ impl TaskArgs {
         }
         // The words after `--`.
         if !self.words.is_empty() {
-            match m.task_type.unwrap_or(TaskType::Shell) {
-                TaskType::Shell => {
-                    m.script = Some(self.words.join(" "));
-                    m.payload = None;
-                }
-                TaskType::Command => {
-                    m.command = Some(self.words[0].clone());
-                    m.args = Some(self.words[1..].to_vec());
-                }
-                TaskType::Container => m.args = Some(self.words.clone()),
-                TaskType::Http => {
-                    bail!("http tasks take --url (or --payload), not words after --")
-                }
-            }
+            apply_words(m, &self.words)?;
         }
         Ok(())
     }
+}
+
+/// The words after `--` as the task's body: the script (`shell`), the
+/// program and its arguments (`command`) or the image's CMD (`container`).
+pub fn apply_words(m: &mut TaskMessage, words: &[String]) -> anyhow::Result<()> {
+    let Some((first, rest)) = words.split_first() else {
+        bail!("no words for the task");
+    };
+    match m.task_type.unwrap_or(TaskType::Shell) {
+        TaskType::Shell => {
+            m.script = Some(words.join(" "));
+            m.payload = None;
+        }
+        TaskType::Command => {
+            m.command = Some(first.clone());
+            m.args = Some(rest.to_vec());
+        }
+        TaskType::Container => m.args = Some(words.to_vec()),
+        TaskType::Http => {
+            bail!("http tasks take --url (or --payload), not words after --")
+        }
+    }
+    Ok(())
 }
 
 fn read_stdin() -> anyhow::Result<String> {

@@ -4,8 +4,9 @@
 //!
 //! - The request carries the task's method, headers and body, plus
 //!   `X-Idempotency-Key`, `X-Schedule-Instance-Id`, `X-Attempt` and, for a
-//!   shard, `X-Shard-No`/`X-Shard-Total` (these win over task headers of the
-//!   same name: the receiver must be able to trust them).
+//!   shard, `X-Shard-No`/`X-Shard-Total`, for a downstream task
+//!   `X-Parent-Id` and for a join `X-Join-Summary` (these win over task
+//!   headers of the same name: the receiver must be able to trust them).
 //! - The response body is streamed into the output sink chunk by chunk, so a
 //!   huge body costs no more memory than the output cap.
 //! - The task timeout bounds the whole exchange, body included; the stop
@@ -151,6 +152,15 @@ impl HttpRunner {
         if let Some(shard) = task.shard {
             ours.push(("x-shard-no", shard.no.to_string()));
             ours.push(("x-shard-total", shard.total.to_string()));
+        }
+        if let Some(p) = &task.parent {
+            ours.push(("x-parent-id", p.clone()));
+        }
+        if let Some(s) = &task.join_summary {
+            ours.push((
+                "x-join-summary",
+                serde_json::to_string(s).unwrap_or_default(),
+            ));
         }
         for (name, value) in ours {
             let value = HeaderValue::from_str(&value)

@@ -13,8 +13,9 @@
 //! 4. **claim** — decided against the last record on `results.<id>` and
 //!    written with compare-and-set ([`write_after`]): a final record →
 //!    Ack without running; `running` for another message → Redeliver later;
-//!    a cancel key → final `cancelled`, Ack; past the task's `expires` →
-//!    DEAD copy, final `expired`, Ack; attempts used up → DEAD copy,
+//!    a cancel key (or a join's policy, [`Task::not_run_reason`]) → final
+//!    `cancelled`, Ack; past the task's `expires` → DEAD copy, final
+//!    `expired`, Ack; attempts used up → DEAD copy,
 //!    final `dead`, Terminate; otherwise `running{attempt n}`. A first
 //!    delivery assumes an empty subject, so it starts after one round trip;
 //! 5. **run** — with a progress ack every quarter of ack wait; a copy whose
@@ -24,6 +25,8 @@
 //!    after `expires`: `expired`) first copies the original to DEAD; then
 //!    the attempt's record, compare-and-set on the claim, through the
 //!    outbox ([`super::outbox::deliver`]);
+//!    before a message whose id has a final record is acked, the tasks
+//!    that record queues are queued ([`settle`]);
 //! 7. **answer** — [`answer`], the one place that answers the broker.
 //!
 //! Every path ends in an [`Answer`], named after what happens to the
@@ -41,6 +44,7 @@ use async_nats::HeaderMap;
 use chrono::{DateTime, Utc};
 use tracing::{debug, error_span, info, warn, Instrument};
 
+use super::downstream::{self, NotYet};
 use super::outbox::{self, Delivered, Entry, PublishFailure};
 use super::records::{self, Last};
 use super::Shared;
@@ -152,7 +156,7 @@ async fn lifecycle(
     async move {
         // 2. A type this worker runs?
         if !sh.types.contains(&task.task_type()) {
-            return other_type(sh, msg, d, &task).await;
+            return settle(sh, &task, other_type(sh, msg, d, &task).await).await;
         }
 
         // 3. Already running here?
@@ -178,14 +182,14 @@ async fn lifecycle(
         // 4. Claim the attempt (or learn that there is nothing to run).
         let (attempt, claim_seq) = match claim(sh, msg, d, &task).await {
             Ok(c) => c,
-            Err(answer) => return answer,
+            Err(answer) => return settle(sh, &task, answer).await,
         };
 
         // 5. Run.
         let (record, then) = run(sh, msg, d, &task, attempt, stop).await;
 
         // 6. Report, then 7. answer (by the caller).
-        report(sh, msg, record, claim_seq, then).await
+        settle(sh, &task, report(sh, msg, record, claim_seq, then).await).await
     }
     .instrument(span)
     .await
@@ -275,6 +279,10 @@ async fn claim(
                 "expired at {} before attempt {attempt} could start",
                 rfc3339(task.deadline)
             ));
+        } else if let Some(why) = task.not_run_reason() {
+            info!("{why}");
+            r.status = Status::Cancelled;
+            r.error = Some(why);
         } else if attempt > task.retry.max_attempts {
             r.status = Status::Dead;
             r.error = Some(format!(
@@ -284,6 +292,7 @@ async fn claim(
         } else {
             r.is_final = false;
         }
+        downstream::stamp(&mut r, task);
         Plan::Write(Box::new(r))
     })
     .await?;
@@ -452,6 +461,7 @@ fn base_result(
     r.idempotency_key = Some(task.idempotency_key.clone());
     r.shard = task.shard;
     r.task_seq = Some(d.seq);
+    downstream::stamp(&mut r, task);
     r
 }
 
@@ -504,6 +514,7 @@ async fn run(
             r.is_final = false;
             r.attempt = attempt - 1;
             r.error = Some(format!("handed back by {} at shutdown", sh.id));
+            downstream::stamp(&mut r, task);
             sh.count("interrupted");
             live.end(false).await;
             return (r, Answer::Redeliver(Duration::ZERO));
@@ -540,6 +551,7 @@ async fn run(
         }
         _ => Answer::Ack,
     };
+    downstream::stamp(&mut r, task);
     info!(status = %r.status, r#final = r.is_final, duration_ms = r.duration_ms,
         exit_code = r.exit_code.map(|c| c.to_string()).unwrap_or_default(),
         error = r.error.as_deref().unwrap_or(""), "attempt finished");
@@ -665,6 +677,27 @@ async fn report(
             warn!("the result can never be stored ({why}); terminating the message");
             Answer::Terminate
         }
+    }
+}
+
+/// Step 6b: before a message whose id has a final record is acked or
+/// terminated, everything that record queues is queued ([`downstream`]:
+/// `then`, a shard's part of its join). A crash in between leaves the
+/// message unacked; its redelivery finds the final record and does it
+/// again, idempotently.
+async fn settle(sh: &Shared, task: &Task, a: Answer) -> Answer {
+    if !task.has_downstream() || !matches!(a, Answer::Ack | Answer::Terminate) {
+        return a;
+    }
+    if sh.die_before_downstream {
+        warn!("JETWORKER_TEST_FAULT=die-before-downstream: exiting before the downstream tasks");
+        // SAFETY: _exit ends the process at once, like a crash would.
+        unsafe { libc::_exit(87) };
+    }
+    match downstream::ensure(sh, task).await {
+        Ok(()) => a,
+        Err(NotYet::Kept) => Answer::LeaveUnanswered,
+        Err(NotYet::Broker) => Answer::Redeliver(BROKER_RETRY),
     }
 }
 

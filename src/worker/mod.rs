@@ -17,6 +17,7 @@
 //! handed back for immediate redelivery; the heartbeat key is deleted; the
 //! connection is flushed.
 
+mod downstream;
 mod heartbeat;
 mod lifecycle;
 pub mod outbox;
@@ -82,6 +83,8 @@ pub struct Shared {
     /// Keys of KV `cancel` (id → reason), kept by [`watch_cancels`]: a task
     /// is checked against it without a round trip.
     cancels: Mutex<HashMap<String, String>>,
+    /// Shards of joins being written to KV `joins` ([`downstream`]).
+    joins: downstream::JoinBatches,
     /// Heartbeats of the online workers (KV `workers`), kept by
     /// [`watch_workers`].
     workers: Mutex<HashMap<String, Heartbeat>>,
@@ -98,6 +101,10 @@ pub struct Shared {
     /// Test-only fault (`JETWORKER_TEST_FAULT=die-before-ack`): exit right
     /// after a result is stored and before the ack, as a crash would.
     pub die_before_ack: bool,
+    /// Test-only fault (`JETWORKER_TEST_FAULT=die-before-downstream`): exit
+    /// right after a final record is stored, before its downstream tasks
+    /// are queued.
+    pub die_before_downstream: bool,
     /// The pipe that keeps the orphan watchdog waiting; closed on exit.
     watchdog: Mutex<Option<std::process::ChildStdin>>,
 }
@@ -186,6 +193,13 @@ fn task_env(task: &Task, attempt: u32) -> BTreeMap<String, String> {
     if let Some(s) = task.shard {
         env.insert("SHARD_NO".to_string(), s.no.to_string());
         env.insert("SHARD_TOTAL".to_string(), s.total.to_string());
+    }
+    if let Some(p) = &task.parent {
+        env.insert("PARENT_ID".to_string(), p.clone());
+    }
+    if let Some(s) = &task.join_summary {
+        let json = serde_json::to_string(s).expect("a summary serializes");
+        env.insert("JOIN_SUMMARY".to_string(), json);
     }
     for (k, v) in &task.env {
         env.insert(k.clone(), v.clone());
@@ -385,6 +399,7 @@ async fn run_as(cfg: WorkerConfig, shutdown: CancellationToken, id: String) -> a
         ack_wait,
         running: running::Running::new(metrics.running.clone()),
         cancels: Mutex::new(HashMap::new()),
+        joins: Default::default(),
         workers: Mutex::new(HashMap::new()),
         counts: Mutex::new(BTreeMap::new()),
         outbox,
@@ -394,6 +409,8 @@ async fn run_as(cfg: WorkerConfig, shutdown: CancellationToken, id: String) -> a
         shutdown: shutdown.clone(),
         abandon: CancellationToken::new(),
         die_before_ack: std::env::var("JETWORKER_TEST_FAULT").as_deref() == Ok("die-before-ack"),
+        die_before_downstream: std::env::var("JETWORKER_TEST_FAULT").as_deref()
+            == Ok("die-before-downstream"),
         watchdog: Mutex::new(watchdog),
         cfg,
     });

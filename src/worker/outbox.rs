@@ -1,6 +1,7 @@
 //! Durable publishing (DESIGN.md section 5, "ack after report"): the one
 //! delivery loop for everything the worker must store — attempt results on
-//! `results.<id>` and copies in DEAD — and the on-disk outbox behind it.
+//! `results.<id>`, copies in DEAD and downstream tasks on their queue-once
+//! subject `tasks.<label>.id.<id>` — and the on-disk outbox behind it.
 //!
 //! [`deliver`] publishes an [`Entry`] and classifies what the broker said:
 //! - stored: done;
@@ -8,6 +9,11 @@
 //!   If the last record there is this very write (a retry after a lost
 //!   PubAck) it counts as stored; otherwise the write is stale and dropped,
 //!   never retried blindly (invariant I2);
+//! - a queue-once task: not published at all when its id already has a
+//!   record (a copy was queued and consumed before: superseded); refused
+//!   by its compare-and-set when a copy waits or runs (it is queued:
+//!   stored); after a publish that raced with a consumed copy, the new copy
+//!   is deleted again ([`super::downstream::drop_late_copy`]);
 //! - permanent (too large for `max_payload`, permission denied): dropped
 //!   with an error, so nothing wedges a slot or comes back at every start;
 //! - stream missing: the stream is recreated once, then retried;
@@ -131,7 +137,8 @@ pub(crate) enum Delivered {
     /// Stored (now, or by an earlier try whose PubAck was lost).
     Stored,
     /// Refused by the compare-and-set and not ours: a newer state exists
-    /// (this is it, when it could be read).
+    /// (this is it, when it could be read). For a queue-once task: its id
+    /// has records already (this is the last one); it is not queued again.
     Superseded(Option<Box<super::records::Last>>),
     /// Can never be stored; dropped (the reason was logged).
     Dropped(String),
@@ -147,9 +154,32 @@ pub(crate) async fn deliver(sh: &Shared, entry: &Entry, mut file: Option<PathBuf
     let mut delay = Duration::from_millis(200);
     let mut recreated = false;
     let mut warned = false;
+    let once = sh.names.once_task_id(&entry.subject);
     loop {
+        if let Some(id) = once {
+            match super::records::read_last(sh, id).await {
+                Ok(Some(last)) => {
+                    debug!(
+                        task_id = id,
+                        "it has records: queued before; not queued again"
+                    );
+                    return finish(sh, file, Delivered::Superseded(Some(Box::new(last))));
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    file = keep(sh, entry, file, &mut warned, &format!("{e:#}"));
+                    if !backoff(sh, &mut delay).await {
+                        return Delivered::Kept;
+                    }
+                    continue;
+                }
+            }
+        }
         let failure = match entry.publish(&sh.js, sh.max_payload).await {
-            Ok(_) => {
+            Ok(seq) => {
+                if let Some(id) = once {
+                    super::downstream::drop_late_copy(sh, id, seq).await;
+                }
                 if warned {
                     info!(subject = %entry.subject, "published from the outbox");
                 }
@@ -158,6 +188,10 @@ pub(crate) async fn deliver(sh: &Shared, entry: &Entry, mut file: Option<PathBuf
             Err(f) => f,
         };
         match failure {
+            // A copy of the queue-once task waits or runs: it is queued.
+            PublishFailure::Refused if once.is_some() => {
+                return finish(sh, file, Delivered::Stored);
+            }
             PublishFailure::Refused => {
                 let outcome = match super::records::read_last_raw(sh, &entry.subject).await {
                     Ok(Some(last)) if last.msg_id.as_deref() == Some(entry.msg_id.as_str()) => {

@@ -209,6 +209,9 @@ pub fn fake_result(id: &str, label: &str, status: Status, fin: bool, attempt: u3
         duration_ms: 12,
         retry_in_ms: (!fin).then_some(1000),
         task_seq: None,
+        children: Vec::new(),
+        join: None,
+        parent: None,
     }
 }
 
@@ -278,6 +281,13 @@ async fn schema_validates_design_examples_and_rejects_unknown_fields() {
         r#"{"type":"container","image":"busybox","entrypoint":["sh","-c"],"args":["echo hi"],
             "workdir":"/tmp","user":"1000","network":"none","pull":"if-missing","limits":{"memory":67108864}}"#,
         r#"{"type":"container","image":"busybox","payload":"-e A=1 --memory 64MiB"}"#,
+        r#"{"type":"shell","script":"a","then":{"type":"shell","script":"b"}}"#,
+        r#"{"type":"shell","script":"a","then":[{"type":"shell","script":"b","then":[{"type":"command","command":"c"}]},
+            {"id":"undo","type":"shell","script":"u","on":["failed","timeout"],"label":"ops"}]}"#,
+        r#"{"id":"j-0","type":"shell","script":"s","shard":{"no":0,"total":2},
+            "then_all":{"type":"shell","script":"m","policy":"always"}}"#,
+        r#"{"id":"j-join","type":"shell","script":"m","parent":"j",
+            "join_summary":{"policy":"all_success","total":2,"counts":{"success":2},"not_success":[]}}"#,
     ] {
         let task: serde_json::Value = serde_json::from_str(ok).unwrap();
         let errors: Vec<String> = v.iter_errors(&task).map(|e| e.to_string()).collect();
@@ -288,6 +298,9 @@ async fn schema_validates_design_examples_and_rejects_unknown_fields() {
         r#"{"type":"ftp","payload":"x"}"#,
         r#"{"type":"shell","retry":{"max_attempts":"3"}}"#,
         r#"{"type":"shell","shard":{"no":1}}"#,
+        r#"{"type":"shell","payload":"x","then":[{"type":"shell","timout":"5s"}]}"#,
+        r#"{"type":"shell","payload":"x","then":"echo"}"#,
+        r#"{"type":"shell","payload":"x","then":[{"type":"shell","on":["sometimes"]}]}"#,
     ] {
         let task: serde_json::Value = serde_json::from_str(bad).unwrap();
         assert!(!v.is_valid(&task), "schema accepted {bad}");
@@ -375,7 +388,7 @@ async fn setup_creates_and_updates_streams_and_buckets() {
     let o = jw(&url, &dry).await;
     assert_exit(&o, 0);
     let plans = json_lines(&o);
-    assert_eq!(plans.len(), 5, "{plans:?}");
+    assert_eq!(plans.len(), 6, "{plans:?}");
     let results = plans.iter().find(|p| p["name"] == "RESULTS").unwrap();
     assert_eq!(results["action"], "would update");
     assert_eq!(results["changes"][0]["lowers"], true);
@@ -403,6 +416,12 @@ async fn setup_creates_and_updates_streams_and_buckets() {
     assert_eq!(
         cancel.info().await.unwrap().config.max_age,
         Duration::from_secs(7200)
+    );
+    // Join progress is kept as long as results.
+    let mut joins = js.get_stream("KV_joins").await.unwrap();
+    assert_eq!(
+        joins.info().await.unwrap().config.max_age,
+        Duration::from_secs(3600)
     );
     let o = jw(&url, &["setup", "--results-max-age", "forever"]).await;
     assert_exit(&o, 2);

@@ -3,6 +3,7 @@
 
 mod auth;
 mod browser;
+mod chains;
 mod cli;
 mod cli_worker;
 mod cluster;

@@ -1,8 +1,9 @@
-//! Soak test (not in the default suite; run with
+//! Soak tests (not in the default suite; run with
 //! `cargo test --release --test integration soak -- --ignored --nocapture`):
 //! 20,000 tasks across 3 workers while one worker is SIGKILLed and
 //! restarted every few seconds and nats-server is restarted once; every
-//! task must end with exactly one final result.
+//! task must end with exactly one final result. And a 1,000-shard fan-out
+//! whose join must fire exactly once while workers are SIGKILLed.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -23,13 +24,7 @@ async fn soak_kills_and_restarts() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(TASKS);
     let mut srv = NatsServer::start();
-    let url = srv.url();
-    let states: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let flags = ["--slots", "4", "--ack-wait", "3s"];
-    let mut workers: Vec<ProcWorker> = states
-        .iter()
-        .map(|s| ProcWorker::start_in(&url, s.path(), &flags))
-        .collect();
+    let mut fleet = Fleet::start(&srv.url(), 3, &["--slots", "4", "--ack-wait", "3s"]);
     let js = srv.js().await;
     wait_for(Duration::from_secs(30), "TASKS stream", || async {
         js.get_stream("TASKS").await.ok()
@@ -58,7 +53,6 @@ async fn soak_kills_and_restarts() {
     );
     println!("published {n} tasks in {:?}", t0.elapsed());
 
-    let mut kills = 0;
     let mut server_restarted = false;
     let deadline = Instant::now() + Duration::from_secs(900);
     loop {
@@ -74,10 +68,8 @@ async fn soak_kills_and_restarts() {
             Instant::now() < deadline,
             "soak did not finish: {left} tasks left"
         );
-        let k = kills % 3;
-        workers[k].kill();
-        workers[k] = ProcWorker::start_in(&url, states[k].path(), &flags);
-        kills += 1;
+        fleet.kill_next();
+        let kills = fleet.kills;
         if !server_restarted && kills == 5 {
             srv.restart();
             server_restarted = true;
@@ -89,6 +81,7 @@ async fn soak_kills_and_restarts() {
         );
     }
     let elapsed = t0.elapsed();
+    let kills = fleet.kills;
     // Give outboxes a moment, then read every result.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let js = srv.js().await;
@@ -141,5 +134,69 @@ async fn soak_kills_and_restarts() {
         doubled.is_empty(),
         "several finals: {:?}",
         &doubled[..doubled.len().min(20)]
+    );
+}
+
+const JOIN_SHARDS: u32 = 1_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "soak: a minute or more; run explicitly"]
+async fn soak_a_1000_shard_join_fires_once() {
+    let n: u32 = std::env::var("SOAK_SHARDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(JOIN_SHARDS);
+    let srv = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let join_log = dir.path().join("join");
+    let mut fleet = Fleet::start(&srv.url(), 3, &["--slots", "8", "--ack-wait", "3s"]);
+    let js = srv.js().await;
+    let t0 = Instant::now();
+    crate::chains::publish_fan_out(&js, "big", n, 20, "sleep 0.0$((RANDOM % 10))", &join_log).await;
+    println!("published {n} shards in {:?}", t0.elapsed());
+
+    // A SIGKILL and restart every 3 s until the join has its final record.
+    let deadline = Instant::now() + Duration::from_secs(900);
+    let join = loop {
+        if let Some(r) = last_result(&js, "big-join").await.filter(|r| r.is_final) {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "the join never finished");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        fleet.kill_next();
+        let kills = fleet.kills;
+        let done = crate::chains::join_state_opt(&js, "big-join")
+            .await
+            .map_or(0, |s| s.done.len());
+        println!(
+            "{:>6.1}s: {done}/{n} shards in the join's key, {kills} kills",
+            t0.elapsed().as_secs_f64()
+        );
+    };
+    assert_eq!(join.status, Status::Success, "{join:?}");
+    let kills = fleet.kills;
+    queue_drained(&js, Duration::from_secs(120), "every task acked").await;
+    let runs = std::fs::read_to_string(&join_log).unwrap_or_default();
+    let stored = crate::chains::tasks_published(&js).await;
+    let claims = all_records(&js, "big-join")
+        .await
+        .iter()
+        .filter(|r| r.status == Status::Running)
+        .count();
+    let st = crate::chains::join_state(&js, "big-join").await;
+    println!(
+        "soak join: {n} shards, 3 workers, {kills} SIGKILLs; join final after {:?}; \
+         join runs {}, join claims {claims}, TASKS messages {stored}, shards in the key {}",
+        t0.elapsed(),
+        runs.lines().count(),
+        st.done.len()
+    );
+    assert_eq!(runs.lines().count(), 1, "the join ran once: {runs}");
+    assert_eq!(claims, 1, "one claim of the join");
+    assert_eq!(stored, u64::from(n) + 1, "one join message");
+    assert_eq!((st.of, st.done.len()), (n, n as usize));
+    assert!(
+        runs.contains(&format!(r#""total":{n},"counts":{{"success":{n}}}"#)),
+        "{runs}"
     );
 }

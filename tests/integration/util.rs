@@ -398,6 +398,45 @@ impl Drop for ProcWorker {
     }
 }
 
+/// Worker processes, each on its own state directory, that a test
+/// SIGKILLs and restarts in turn (soak and fault tests).
+pub struct Fleet {
+    url: String,
+    flags: Vec<String>,
+    states: Vec<tempfile::TempDir>,
+    workers: Vec<ProcWorker>,
+    /// SIGKILLs so far.
+    pub kills: usize,
+}
+
+impl Fleet {
+    /// `n` workers with `flags`.
+    pub fn start(url: &str, n: usize, flags: &[&str]) -> Self {
+        let states: Vec<tempfile::TempDir> = (0..n).map(|_| tempfile::tempdir().unwrap()).collect();
+        let workers = states
+            .iter()
+            .map(|s| ProcWorker::start_in(url, s.path(), flags))
+            .collect();
+        Fleet {
+            url: url.to_string(),
+            flags: flags.iter().map(|f| f.to_string()).collect(),
+            states,
+            workers,
+            kills: 0,
+        }
+    }
+
+    /// SIGKILL the next worker in turn and start it again on its state
+    /// directory (its outbox and journal are there).
+    pub fn kill_next(&mut self) {
+        let k = self.kills % self.workers.len();
+        let flags: Vec<&str> = self.flags.iter().map(String::as_str).collect();
+        self.workers[k].kill();
+        self.workers[k] = ProcWorker::start_in(&self.url, self.states[k].path(), &flags);
+        self.kills += 1;
+    }
+}
+
 /// Publish a task (JSON text) to `tasks.<label>` and wait for the PubAck.
 pub async fn publish_task(js: &jetstream::Context, label: &str, json: &str) -> u64 {
     publish_raw(
