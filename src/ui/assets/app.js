@@ -800,6 +800,8 @@
             h('td', { text: fmtTime(d.time) }),
             h('td', null, taskLink(d.id)),
             h('td', { text: d.label }),
+            // The final status that put it there, where the letter says.
+            h('td', null, d.status ? badge(d.status, true) : '–'),
             h('td', { text: d.reason, class: 'error' }),
             h('td', null, h('code', { class: 'task-json', text: d.task })),
             action));
