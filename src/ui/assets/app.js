@@ -413,7 +413,7 @@
         }
       }
       maxRate = niceCeil(Math.max(maxRate, 0.2));
-      maxLat = niceCeil(Math.max(maxLat, 10));
+      maxLat = niceCeil(Math.max(maxLat, 20));
       const bw = pw / n;
       const ok = getComputedStyle(document.body).getPropertyValue('--ok') || '#2e9e5b';
       g.font = '11px system-ui, sans-serif';
@@ -458,11 +458,19 @@
       };
       line('p50_ms', '#2f6fdf');
       line('p95_ms', '#e08a1e');
-      const last = pts.filter(Boolean).pop();
-      setText($('chart-now'), last
-        ? 'latest ' + this.bucket + ' s: ' + (last.done / this.bucket).toFixed(1) + ' finished/s' +
-          (last.p50_ms !== null ? ', p50 ' + fmtDuration(last.p50_ms) + ', p95 ' + fmtDuration(last.p95_ms) + ' (' + last.samples + ' timed)' : '')
-        : 'no task finished in the last 10 minutes');
+      // The bucket before the current one is the newest complete one.
+      const recent = pts[n - 2] || pts[n - 1];
+      const lastAt = [...this.points.keys()].filter((t) => t <= end).sort((a, b) => b - a)[0];
+      let text;
+      if (recent) {
+        text = 'last ' + this.bucket + ' s: ' + (recent.done / this.bucket).toFixed(1) + ' finished/s' +
+          (recent.p50_ms !== null ? ', p50 ' + fmtDuration(recent.p50_ms) + ', p95 ' + fmtDuration(recent.p95_ms) + ' (' + recent.samples + ' timed)' : '');
+      } else if (lastAt) {
+        text = 'none finished in the last ' + this.bucket + ' s; the last ones at ' + fmtTime(new Date(lastAt * 1000).toISOString());
+      } else {
+        text = 'no task finished in the last 10 minutes';
+      }
+      setText($('chart-now'), text);
     },
   };
 
@@ -1007,7 +1015,11 @@
   function connect() {
     const es = new EventSource('/api/events');
     const conn = $('conn');
-    es.addEventListener('open', () => { conn.textContent = 'live'; conn.className = 'conn up'; });
+    es.addEventListener('open', () => {
+      if (!document.body.dataset.ready) performance.mark('jetworker-feed-open');
+      conn.textContent = 'live';
+      conn.className = 'conn up';
+    });
     es.addEventListener('error', () => { conn.textContent = 'reconnecting…'; conn.className = 'conn down'; });
     es.addEventListener('snapshot', (e) => {
       const s = JSON.parse(e.data);
