@@ -443,18 +443,28 @@
         g.fillStyle = '#d9534f';
         g.fillRect(x + 0.5, top + ph - hOk - hBad, Math.max(1, bw - 1), hBad);
       });
+      // A line through the points of `key`, with a dot on each (a lone
+      // point has no line).
       const line = (key, colour) => {
         g.strokeStyle = colour;
+        g.fillStyle = colour;
         g.lineWidth = 2;
         g.beginPath();
         let open = false;
+        const dots = [];
         pts.forEach((p, i) => {
           if (!p || p[key] === null || p[key] === undefined) { open = false; return; }
           const x = left + i * bw + bw / 2, y = top + ph - (ph * p[key]) / maxLat;
           if (open) g.lineTo(x, y); else g.moveTo(x, y);
           open = true;
+          dots.push([x, y]);
         });
         g.stroke();
+        for (const [x, y] of dots) {
+          g.beginPath();
+          g.arc(x, y, 2.5, 0, 2 * Math.PI);
+          g.fill();
+        }
       };
       line('p50_ms', '#2f6fdf');
       line('p95_ms', '#e08a1e');
