@@ -413,7 +413,7 @@
         }
       }
       maxRate = niceCeil(Math.max(maxRate, 0.2));
-      maxLat = niceCeil(Math.max(maxLat, 10));
+      maxLat = niceCeil(Math.max(maxLat, 20));
       const bw = pw / n;
       const ok = getComputedStyle(document.body).getPropertyValue('--ok') || '#2e9e5b';
       g.font = '11px system-ui, sans-serif';
@@ -443,26 +443,44 @@
         g.fillStyle = '#d9534f';
         g.fillRect(x + 0.5, top + ph - hOk - hBad, Math.max(1, bw - 1), hBad);
       });
+      // A line through the points of `key`, with a dot on each (a lone
+      // point has no line).
       const line = (key, colour) => {
         g.strokeStyle = colour;
+        g.fillStyle = colour;
         g.lineWidth = 2;
         g.beginPath();
         let open = false;
+        const dots = [];
         pts.forEach((p, i) => {
           if (!p || p[key] === null || p[key] === undefined) { open = false; return; }
           const x = left + i * bw + bw / 2, y = top + ph - (ph * p[key]) / maxLat;
           if (open) g.lineTo(x, y); else g.moveTo(x, y);
           open = true;
+          dots.push([x, y]);
         });
         g.stroke();
+        for (const [x, y] of dots) {
+          g.beginPath();
+          g.arc(x, y, 2.5, 0, 2 * Math.PI);
+          g.fill();
+        }
       };
       line('p50_ms', '#2f6fdf');
       line('p95_ms', '#e08a1e');
-      const last = pts.filter(Boolean).pop();
-      setText($('chart-now'), last
-        ? 'latest ' + this.bucket + ' s: ' + (last.done / this.bucket).toFixed(1) + ' finished/s' +
-          (last.p50_ms !== null ? ', p50 ' + fmtDuration(last.p50_ms) + ', p95 ' + fmtDuration(last.p95_ms) + ' (' + last.samples + ' timed)' : '')
-        : 'no task finished in the last 10 minutes');
+      // The bucket before the current one is the newest complete one.
+      const recent = pts[n - 2] || pts[n - 1];
+      const lastAt = [...this.points.keys()].filter((t) => t <= end).sort((a, b) => b - a)[0];
+      let text;
+      if (recent) {
+        text = 'last ' + this.bucket + ' s: ' + (recent.done / this.bucket).toFixed(1) + ' finished/s' +
+          (recent.p50_ms !== null ? ', p50 ' + fmtDuration(recent.p50_ms) + ', p95 ' + fmtDuration(recent.p95_ms) + ' (' + recent.samples + ' timed)' : '');
+      } else if (lastAt) {
+        text = 'none finished in the last ' + this.bucket + ' s; the last ones at ' + fmtTime(new Date(lastAt * 1000).toISOString());
+      } else {
+        text = 'no task finished in the last 10 minutes';
+      }
+      setText($('chart-now'), text);
     },
   };
 
@@ -800,6 +818,8 @@
             h('td', { text: fmtTime(d.time) }),
             h('td', null, taskLink(d.id)),
             h('td', { text: d.label }),
+            // The final status that put it there, where the letter says.
+            h('td', null, d.status ? badge(d.status, true) : '–'),
             h('td', { text: d.reason, class: 'error' }),
             h('td', null, h('code', { class: 'task-json', text: d.task })),
             action));
@@ -1005,7 +1025,11 @@
   function connect() {
     const es = new EventSource('/api/events');
     const conn = $('conn');
-    es.addEventListener('open', () => { conn.textContent = 'live'; conn.className = 'conn up'; });
+    es.addEventListener('open', () => {
+      if (!document.body.dataset.ready) performance.mark('jetworker-feed-open');
+      conn.textContent = 'live';
+      conn.className = 'conn up';
+    });
     es.addEventListener('error', () => { conn.textContent = 'reconnecting…'; conn.className = 'conn down'; });
     es.addEventListener('snapshot', (e) => {
       const s = JSON.parse(e.data);
