@@ -36,8 +36,8 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use futures::StreamExt;
 use jetworker::protocol::{parse_task, Envelope, Names, Status, TaskResult, ValidationLimits};
-use jetworker::runner::command::ProcessRunner;
-use jetworker::runner::{RunContext, Stop};
+use jetworker::runner::command::{ProcessRunner, ProcessSpec};
+use jetworker::runner::RunContext;
 
 const GIVE_UP: Duration = Duration::from_secs(300);
 
@@ -101,18 +101,16 @@ async fn runner_rate(runner: Arc<ProcessRunner>, json: &str, n: usize, par: usiz
         let (runner, t) = (runner.clone(), t.clone());
         set.spawn(async move {
             for _ in 0..per {
-                let ctx = RunContext {
-                    task: t.clone(),
-                    attempt: 1,
-                    worker_id: "bench".into(),
-                    timeout: Duration::from_secs(30),
-                    kill_grace: Duration::from_secs(1),
-                    output_cap: 64 * 1024,
-                    env: Default::default(),
-                    stop: Stop::new(),
-                    live: None,
-                };
-                let o = runner.run(ctx).await;
+                let ctx = RunContext::new(
+                    t.clone(),
+                    1,
+                    "bench",
+                    Duration::from_secs(30),
+                    Duration::from_secs(1),
+                    64 * 1024,
+                );
+                let spec = t.spec::<ProcessSpec>().expect("a process task").clone();
+                let o = runner.run(&spec, ctx).await;
                 assert_eq!(o.status, Status::Success, "{o:?}");
             }
         });

@@ -413,7 +413,7 @@ async fn main() {
         let mut r = TaskResult::blank(
             "b000000-http-000000",
             "default",
-            Some(jetworker::protocol::TaskType::Http),
+            Some("http".into()),
             Status::Success,
             1,
             3,

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, message::PublishMessage};
 use chrono::Utc;
-use jetworker::protocol::{Heartbeat, Names, TaskType};
+use jetworker::protocol::{Heartbeat, Names};
 use jetworker::setup::{ensure_all, ensure_label_consumer, SetupOptions};
 use serde_json::json;
 
@@ -52,7 +52,7 @@ fn heartbeat(i: usize, labels: usize, version: &str) -> Heartbeat {
         labels: (0..1 + i % 3)
             .map(|k| format!("label-{:03}", (i + k * 37) % labels))
             .collect(),
-        types: vec![TaskType::Shell, TaskType::Command],
+        types: vec!["shell".into(), "command".into()],
         slots: 4,
         running: i % 5,
         tasks: (0..i % 5).map(|k| format!("task-{i}-{k}")).collect(),

@@ -25,7 +25,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::protocol::{format_size, parse_duration, parse_size, valid_label, Names, TaskType};
+use crate::protocol::{format_size, parse_duration, parse_size, valid_label, Names};
+use crate::runner::defined::TypeDef;
 
 /// A setting with a bad value: printed as one line, exit code 2.
 #[derive(Debug, thiserror::Error)]
@@ -466,7 +467,7 @@ pub static SETTINGS: &[Setting] = &[
         ..work(
             "types",
             "types",
-            "Task types to accept: shell,command,http,container",
+            "Task types to run: shell,command,http,container and the types defined in the config file's [types.<name>] tables",
         )
     },
     Setting {
@@ -789,6 +790,8 @@ pub struct Settings {
     pub context: Option<(String, PathBuf)>,
     /// Things worth a warning once logging is up (a secret given as a flag).
     pub warnings: Vec<String>,
+    /// The task types the config file defines (`[types.<name>]`).
+    pub type_defs: Vec<TypeDef>,
 }
 
 /// `$XDG_CONFIG_HOME`, else `~/.config` (on every platform, as natscli).
@@ -840,7 +843,7 @@ impl Settings {
         let mut file_values = BTreeMap::new();
         if let Some(p) = file_path {
             if explicit || p.is_file() {
-                file_values = load_file(&p)?;
+                (file_values, out.type_defs) = load_file(&p)?;
                 out.file = Some(p);
             }
         }
@@ -1019,9 +1022,10 @@ impl Settings {
     }
 }
 
-/// Read the TOML file into setting keys and text values; unknown keys are
-/// an error with a "did you mean".
-fn load_file(path: &Path) -> Result<BTreeMap<String, String>, ConfigError> {
+/// Read the TOML file into setting keys and text values, and the task
+/// types it defines (`types` as a table of tables; as a list it is the
+/// setting); unknown keys are an error with a "did you mean".
+fn load_file(path: &Path) -> Result<(BTreeMap<String, String>, Vec<TypeDef>), ConfigError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| ConfigError::new("config", format!("cannot read {}: {e}", path.display())))?;
     let table: toml::Table = toml::from_str(&text).map_err(|e| {
@@ -1032,11 +1036,19 @@ fn load_file(path: &Path) -> Result<BTreeMap<String, String>, ConfigError> {
     })?;
     let mut out = BTreeMap::new();
     let mut flat = Vec::new();
+    let mut defs = Vec::new();
     for (k, v) in table {
         match (k.as_str(), v) {
             ("names", toml::Value::Table(t)) => {
                 for (nk, nv) in t {
                     flat.push((format!("names.{nk}"), nv));
+                }
+            }
+            ("types", toml::Value::Table(t)) => {
+                for (name, def) in t {
+                    defs.push(TypeDef::from_toml(&name, &def).map_err(|e| {
+                        ConfigError::new("types", format!("{}: {e}", path.display()))
+                    })?);
                 }
             }
             (_, v) => flat.push((k, v)),
@@ -1077,7 +1089,7 @@ fn load_file(path: &Path) -> Result<BTreeMap<String, String>, ConfigError> {
         };
         out.insert(def.key.to_string(), text);
     }
-    Ok(out)
+    Ok((out, defs))
 }
 
 /// The selected `nats` CLI context (`<dir>/context/<name>.json`): `selected`
@@ -1231,12 +1243,13 @@ pub struct WorkerConfig {
     pub name: String,
     /// Labels (queues) served.
     pub labels: Vec<String>,
-    /// Task types accepted; others are left for other workers... and
-    /// rejected if they reach this one.
-    pub types: Vec<TaskType>,
-    /// Whether `types` was set: then a type that cannot run here (container
-    /// without Docker) is still accepted and fails with a clear reason.
-    pub types_explicit: bool,
+    /// Task types run (`None`: every registered type that can run on this
+    /// machine); tasks of other types are handed back for other workers.
+    /// Resolved against the built-in types and [`WorkerConfig::type_defs`];
+    /// an embedding program may name its own runners' types here.
+    pub types: Option<Vec<String>>,
+    /// Task types defined in the config file (`[types.<name>]`).
+    pub type_defs: Vec<TypeDef>,
     /// Maximum tasks running at once.
     pub slots: usize,
     pub default_timeout: Duration,
@@ -1444,6 +1457,15 @@ pub fn metrics_addr(s: &Settings) -> Result<Option<SocketAddr>, ConfigError> {
 }
 
 /// Resolve every worker setting.
+impl WorkerConfig {
+    /// Settings from these values only (setting keys such as `labels` or
+    /// `server`, as in the config file): no environment, file or `nats`
+    /// context. For programs that embed a worker, and tests.
+    pub fn from_flags(flags: &[(&'static str, &str)]) -> Result<WorkerConfig, ConfigError> {
+        resolve_worker(&Settings::from_flags(flags)?)
+    }
+}
+
 pub fn resolve_worker(s: &Settings) -> Result<WorkerConfig, ConfigError> {
     let connect = resolve_connect(s)?;
     let name: String = s
@@ -1480,21 +1502,33 @@ pub fn resolve_worker(s: &Settings) -> Result<WorkerConfig, ConfigError> {
         return Err(ConfigError::new("labels", "a label is listed twice"));
     }
 
-    let types_explicit = s.get("types").is_some();
     let types = match s.list("types") {
-        None => TaskType::ALL.to_vec(),
+        None => None,
         Some(list) => {
-            let mut v = Vec::new();
+            let known: Vec<&str> = ["shell", "command", "http", "container"]
+                .into_iter()
+                .chain(s.type_defs.iter().map(|d| d.name.as_str()))
+                .collect();
+            let mut v: Vec<String> = Vec::new();
             for t in list {
-                let tt: TaskType = t.parse().map_err(|e| ConfigError::new("types", e))?;
-                if !v.contains(&tt) {
-                    v.push(tt);
+                if !known.contains(&t.as_str()) {
+                    return Err(ConfigError::new(
+                        "types",
+                        format!(
+                            "unknown task type `{t}`{} (known: {})",
+                            crate::suggest::hint(&t, known.iter().copied()),
+                            known.join(", ")
+                        ),
+                    ));
+                }
+                if !v.contains(&t) {
+                    v.push(t);
                 }
             }
             if v.is_empty() {
                 return Err(ConfigError::new("types", "at least one type is needed"));
             }
-            v
+            Some(v)
         }
     };
 
@@ -1593,7 +1627,7 @@ pub fn resolve_worker(s: &Settings) -> Result<WorkerConfig, ConfigError> {
         name,
         labels,
         types,
-        types_explicit,
+        type_defs: s.type_defs.clone(),
         slots,
         default_timeout,
         kill_grace,
@@ -1698,7 +1732,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("all.toml");
         std::fs::write(&f, &uncommented).unwrap();
-        let values = load_file(&f).unwrap_or_else(|e| panic!("{e}\n{uncommented}"));
+        let (values, _) = load_file(&f).unwrap_or_else(|e| panic!("{e}\n{uncommented}"));
         // A duration or size shown commented out is the default.
         for def in SETTINGS {
             let Some(v) = values.get(def.key) else {

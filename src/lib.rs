@@ -15,8 +15,10 @@
 //! - [`setup`]: streams, consumers and KV buckets, created idempotently.
 //! - [`worker`]: the daemon — pulling, per-task handling, acks, heartbeats,
 //!   cancellation, the outbox, shutdown.
-//! - [`runner`]: one runner per task type; [`process`] (process groups,
-//!   signals, rlimits) and [`output`] (bounded capture) serve them.
+//! - [`runner`]: the [`Runner`] trait and the registry of task types, one
+//!   runner per type (built-in, defined in config, or your own);
+//!   [`process`] (process groups, signals, rlimits) and [`output`]
+//!   (bounded capture) serve them.
 //! - [`metrics`]: Prometheus `/metrics`, `/healthz`, `/readyz`;
 //!   `logfmt`: JSON log lines with span fields at the top level.
 //! - [`queues`]: the label queues as operators see and steer them (stats,
@@ -38,6 +40,9 @@ pub mod setup;
 pub mod suggest;
 pub mod ui;
 pub mod worker;
+
+pub use runner::{Fields, Outcome, RunContext, Runner};
+pub use worker::{Worker, WorkerBuilder};
 
 /// The version reported in heartbeats and `--version`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -183,54 +183,6 @@ fn is_id_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b == b'_' || b == b'-'
 }
 
-/// Task runner types.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum TaskType {
-    Shell,
-    Command,
-    Http,
-    Container,
-}
-
-impl TaskType {
-    pub const ALL: [TaskType; 4] = [
-        TaskType::Shell,
-        TaskType::Command,
-        TaskType::Http,
-        TaskType::Container,
-    ];
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TaskType::Shell => "shell",
-            TaskType::Command => "command",
-            TaskType::Http => "http",
-            TaskType::Container => "container",
-        }
-    }
-}
-
-impl std::fmt::Display for TaskType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for TaskType {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "shell" => Ok(TaskType::Shell),
-            "command" => Ok(TaskType::Command),
-            "http" => Ok(TaskType::Http),
-            "container" => Ok(TaskType::Container),
-            other => Err(format!(
-                "unknown task type `{other}` (expected shell, command, http or container)"
-            )),
-        }
-    }
-}
-
 /// `shard`: which slice of a fanned-out job this task is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -329,41 +281,24 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         .map_err(|e| format!("`{s}` is not a duration like 90s or 5m ({e})"))
 }
 
-/// HTTP success range: `[200, 299]`, `"200-299"` or a single status.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(untagged)]
-pub enum SuccessValue {
-    One(u16),
-    Range([u16; 2]),
-    Text(String),
-}
-
-/// A timeout as a humantime string (`"90s"`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(untagged)]
-pub enum TimeoutValue {
-    Text(String),
-}
-
-/// The task message exactly as it travels (DESIGN.md section 3). Every
+/// The task message exactly as it travels (DESIGN.md section 3): the
+/// envelope, and the type's own fields in [`TaskMessage::fields`]. Every
 /// field is optional here so that validation can name what is missing;
-/// unknown fields are refused by serde itself.
+/// unknown fields are refused by validation, which knows the type's fields
+/// ([`crate::runner::Registry`]).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 #[schemars(
     title = "jetworker task",
     description = "A task message published on tasks.<label>"
 )]
 pub struct TaskMessage {
-    /// Runner: shell, command, http or container.
+    /// The task type: shell, command, http, container, or a type
+    /// registered on the label's workers.
     #[serde(rename = "type")]
-    pub task_type: Option<TaskType>,
+    pub task_type: Option<String>,
     /// Instance id `[A-Za-z0-9_-]{1,128}`; default: the Nats-Msg-Id header or `seq-<n>`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
-    /// Seed short form: shell → script, http → URL, container → docker-run options.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub payload: Option<String>,
     /// Exported as IDEMPOTENCY_KEY / X-Idempotency-Key; default: the instance id.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
@@ -393,48 +328,6 @@ pub struct TaskMessage {
     pub env: Option<BTreeMap<String, String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limits: Option<LimitsMessage>,
-    /// shell: the script.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub script: Option<String>,
-    /// command: the program.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub command: Option<String>,
-    /// command: arguments; container: overrides the image's CMD.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub args: Option<Vec<String>>,
-    /// http: the URL.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub url: Option<String>,
-    /// http: the method (GET).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub method: Option<String>,
-    /// http: request headers.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub headers: Option<BTreeMap<String, String>>,
-    /// http: request body.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub body: Option<String>,
-    /// http: statuses that count as success (default 200–299).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub success: Option<SuccessValue>,
-    /// container: the image (required).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub image: Option<String>,
-    /// container: overrides the image's ENTRYPOINT.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub entrypoint: Option<Vec<String>>,
-    /// container: working directory inside the container.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub workdir: Option<String>,
-    /// container: user (`uid[:gid]` or name).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub user: Option<String>,
-    /// container: `none`, `bridge`, or a network the worker allows.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub network: Option<String>,
-    /// container: `never`, `if-missing` (default) or `always`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pull: Option<PullPolicy>,
     /// Tasks to queue when this one ends: a task object or an array of
     /// them, each queued on the statuses in its `on` (default success).
     #[serde(
@@ -468,16 +361,51 @@ pub struct TaskMessage {
     /// as JOIN_SUMMARY (JSON).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub join_summary: Option<JoinSummary>,
+    /// The type's own fields (shell: `script`/`payload`; command:
+    /// `command`, `args`; …), validated by the type's runner.
+    #[serde(flatten)]
+    #[schemars(skip)]
+    pub fields: serde_json::Map<String, serde_json::Value>,
 }
 
-/// When to pull a container image.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "kebab-case")]
-pub enum PullPolicy {
-    Never,
-    #[default]
-    IfMissing,
-    Always,
+/// The envelope's field names: every task has them, whatever its type.
+pub const ENVELOPE_FIELDS: &[&str] = &[
+    "type",
+    "id",
+    "idempotency_key",
+    "shard",
+    "shard_no",
+    "shard_total",
+    "timeout",
+    "timeout_seconds",
+    "retry",
+    "expires",
+    "env",
+    "limits",
+    "then",
+    "on",
+    "label",
+    "then_all",
+    "policy",
+    "parent",
+    "join_summary",
+];
+
+impl TaskMessage {
+    /// One of the type's own fields, if given.
+    pub fn field(&self, name: &str) -> Option<&serde_json::Value> {
+        self.fields.get(name)
+    }
+
+    /// Set one of the type's own fields.
+    pub fn set_field(&mut self, name: &str, value: impl Into<serde_json::Value>) {
+        self.fields.insert(name.to_string(), value.into());
+    }
+
+    /// Remove one of the type's own fields.
+    pub fn remove_field(&mut self, name: &str) -> Option<serde_json::Value> {
+        self.fields.remove(name)
+    }
 }
 
 /// Why a task was refused: the field (a JSON path) and the problem. The
@@ -551,50 +479,26 @@ pub struct Limits {
     pub output: Option<u64>,
 }
 
-/// What to run, per type.
-#[derive(Debug, Clone, PartialEq)]
-pub enum TaskKind {
-    Shell { script: String },
-    Command { program: String, args: Vec<String> },
-    Http(HttpSpec),
-    Container(ContainerSpec),
-}
+/// A validated type spec, as the type's runner made it (`None`: the type
+/// is not registered here). Compared by presence only: it is derived from
+/// [`Task::fields`], which compare by value.
+#[derive(Clone, Default)]
+pub struct TypeSpec(pub(crate) Option<crate::runner::AnySpec>);
 
-impl TaskKind {
-    pub fn task_type(&self) -> TaskType {
-        match self {
-            TaskKind::Shell { .. } => TaskType::Shell,
-            TaskKind::Command { .. } => TaskType::Command,
-            TaskKind::Http(_) => TaskType::Http,
-            TaskKind::Container(_) => TaskType::Container,
-        }
+impl std::fmt::Debug for TypeSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "TypeSpec(..)"
+        } else {
+            "TypeSpec(none)"
+        })
     }
 }
 
-/// A validated http task.
-#[derive(Debug, Clone, PartialEq)]
-pub struct HttpSpec {
-    pub url: String,
-    pub method: String,
-    pub headers: BTreeMap<String, String>,
-    pub body: Option<String>,
-    /// Inclusive range of statuses counted as success.
-    pub success: (u16, u16),
-}
-
-/// A validated container task.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct ContainerSpec {
-    pub image: String,
-    pub entrypoint: Option<Vec<String>>,
-    pub args: Option<Vec<String>>,
-    pub env: BTreeMap<String, String>,
-    pub workdir: Option<String>,
-    pub user: Option<String>,
-    pub network: Option<String>,
-    pub pull: PullPolicy,
-    pub memory: Option<u64>,
-    pub cpus: Option<f64>,
+impl PartialEq for TypeSpec {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.is_some() == other.0.is_some()
+    }
 }
 
 /// A task that passed validation: everything a runner needs.
@@ -602,7 +506,12 @@ pub struct ContainerSpec {
 pub struct Task {
     pub id: String,
     pub label: String,
-    pub kind: TaskKind,
+    /// The type's name (`type`).
+    pub task_type: String,
+    /// The type's own fields, as given.
+    pub fields: crate::runner::Fields,
+    /// What the type's runner made of them.
+    pub spec: TypeSpec,
     pub idempotency_key: String,
     pub shard: Option<Shard>,
     pub timeout: Option<Duration>,
@@ -623,8 +532,20 @@ pub struct Task {
 }
 
 impl Task {
-    pub fn task_type(&self) -> TaskType {
-        self.kind.task_type()
+    /// The type's name.
+    pub fn task_type(&self) -> &str {
+        &self.task_type
+    }
+
+    /// Whether a runner of this worker validated the task (its type is
+    /// registered here).
+    pub fn runnable(&self) -> bool {
+        self.spec.0.is_some()
+    }
+
+    /// The spec the type's runner made, if it is a `T`.
+    pub fn spec<T: 'static>(&self) -> Option<&T> {
+        self.spec.0.as_ref()?.downcast_ref::<T>()
     }
 
     /// Whether an attempt starting at `at` would start after the deadline.
@@ -715,15 +636,17 @@ pub fn best_effort_id(bytes: &[u8], env: &Envelope<'_>) -> String {
 #[derive(Debug, Clone)]
 pub struct ValidationLimits {
     pub max_task_bytes: usize,
-    /// Networks a container task may name besides `none` and `bridge`.
-    pub allowed_networks: Vec<String>,
+    /// The types whose fields are checked; a task of another type passes
+    /// with its envelope checked only ([`Task::runnable`] is false).
+    pub types: crate::runner::Registry,
 }
 
 impl Default for ValidationLimits {
+    /// 256 KiB and the built-in types.
     fn default() -> Self {
         ValidationLimits {
             max_task_bytes: 256 * 1024,
-            allowed_networks: Vec::new(),
+            types: crate::runner::Registry::validators(Vec::new(), &[]),
         }
     }
 }
@@ -853,9 +776,14 @@ fn validate_node(
     tree: &mut downstream::Tree,
 ) -> Result<Task, Invalid> {
     let below = downstream::Fields::take(&mut msg)?;
-    let task_type = msg
-        .task_type
-        .ok_or_else(|| Invalid::new("type", "missing (shell, command, http or container)"))?;
+    let task_type = msg.task_type.clone().ok_or_else(|| {
+        Invalid::new(
+            "type",
+            format!("missing ({})", limits.types.names().join(", ")),
+        )
+    })?;
+    crate::runner::check_type_name(&task_type)
+        .map_err(|e| Invalid::new("type", format!("`{}` {e}", truncate_for_error(&task_type))))?;
 
     if let Some(id) = &msg.id {
         if !valid_id(id) {
@@ -1019,12 +947,12 @@ fn validate_node(
         }
     }
 
-    let kind = build_kind(task_type, &msg, limits, &task_env, &limits_v)?;
-
     let mut task = Task {
         id,
         label: env.label.to_string(),
-        kind,
+        task_type,
+        fields: crate::runner::Fields(std::mem::take(&mut msg.fields)),
+        spec: TypeSpec::default(),
         idempotency_key,
         shard,
         timeout,
@@ -1037,6 +965,7 @@ fn validate_node(
         parent: None,
         join_summary: None,
     };
+    task.spec = TypeSpec(limits.types.validate(&task.fields, &task)?);
     below.validate_into(&mut task, limits, tree)?;
     Ok(task)
 }
@@ -1070,7 +999,7 @@ fn id_suffix(id: &str) -> &str {
     id.rsplit('-').next().unwrap_or(id)
 }
 
-fn truncate_for_error(s: &str) -> String {
+pub(crate) fn truncate_for_error(s: &str) -> String {
     if s.chars().count() > 40 {
         format!("{}…", s.chars().take(40).collect::<String>())
     } else {
@@ -1107,7 +1036,7 @@ fn check_timeout(d: Duration, field: &str) -> Result<Duration, Invalid> {
 
 /// An environment variable name: `[A-Za-z_][A-Za-z0-9_]*`, not reserved,
 /// and a value without NUL.
-fn check_env_pair(k: &str, v: &str, field: &str) -> Result<(), Invalid> {
+pub(crate) fn check_env_pair(k: &str, v: &str, field: &str) -> Result<(), Invalid> {
     let f = format!("{field}.{k}");
     let mut bytes = k.bytes();
     let ok = matches!(bytes.next(), Some(b) if b.is_ascii_alphabetic() || b == b'_')
@@ -1120,318 +1049,6 @@ fn check_env_pair(k: &str, v: &str, field: &str) -> Result<(), Invalid> {
     }
     if v.contains('\0') {
         return Err(Invalid::new(f, "value contains a NUL byte"));
-    }
-    Ok(())
-}
-
-/// Fields that belong to one task type only.
-const TYPE_FIELDS: &[(&str, &[TaskType])] = &[
-    ("script", &[TaskType::Shell]),
-    ("command", &[TaskType::Command]),
-    ("args", &[TaskType::Command, TaskType::Container]),
-    ("url", &[TaskType::Http]),
-    ("method", &[TaskType::Http]),
-    ("headers", &[TaskType::Http]),
-    ("body", &[TaskType::Http]),
-    ("success", &[TaskType::Http]),
-    ("image", &[TaskType::Container]),
-    ("entrypoint", &[TaskType::Container]),
-    ("workdir", &[TaskType::Container]),
-    ("user", &[TaskType::Container]),
-    ("network", &[TaskType::Container]),
-    ("pull", &[TaskType::Container]),
-    (
-        "payload",
-        &[TaskType::Shell, TaskType::Http, TaskType::Container],
-    ),
-];
-
-fn present_fields(m: &TaskMessage) -> Vec<&'static str> {
-    let mut v = Vec::new();
-    macro_rules! p {
-        ($($f:ident),*) => { $( if m.$f.is_some() { v.push(stringify!($f)); } )* };
-    }
-    p!(
-        script, command, args, url, method, headers, body, success, image, entrypoint, workdir,
-        user, network, pull, payload
-    );
-    v
-}
-
-fn build_kind(
-    t: TaskType,
-    m: &TaskMessage,
-    vl: &ValidationLimits,
-    task_env: &BTreeMap<String, String>,
-    limits: &Limits,
-) -> Result<TaskKind, Invalid> {
-    for f in present_fields(m) {
-        let allowed = TYPE_FIELDS
-            .iter()
-            .find(|(name, _)| *name == f)
-            .map(|(_, types)| types.contains(&t))
-            .unwrap_or(true);
-        if !allowed {
-            return Err(Invalid::new(f, format!("does not apply to type {t}")));
-        }
-    }
-    match t {
-        TaskType::Shell => {
-            let script = match (&m.script, &m.payload) {
-                (Some(_), Some(_)) => {
-                    return Err(Invalid::new(
-                        "payload",
-                        "give either `script` or `payload`, not both",
-                    ))
-                }
-                (Some(s), None) => (s.clone(), "script"),
-                (None, Some(p)) => (p.clone(), "payload"),
-                (None, None) => return Err(Invalid::new("script", "missing (or give `payload`)")),
-            };
-            if script.0.trim().is_empty() {
-                return Err(Invalid::new(script.1, "is empty"));
-            }
-            if script.0.contains('\0') {
-                return Err(Invalid::new(script.1, "contains a NUL byte"));
-            }
-            Ok(TaskKind::Shell { script: script.0 })
-        }
-        TaskType::Command => {
-            let program = m
-                .command
-                .clone()
-                .ok_or_else(|| Invalid::new("command", "missing (the program to run)"))?;
-            if program.is_empty() || program.contains('\0') {
-                return Err(Invalid::new("command", "must be a non-empty program name"));
-            }
-            let args = m.args.clone().unwrap_or_default();
-            if let Some(i) = args.iter().position(|a| a.contains('\0')) {
-                return Err(Invalid::new(format!("args[{i}]"), "contains a NUL byte"));
-            }
-            Ok(TaskKind::Command { program, args })
-        }
-        TaskType::Http => Ok(TaskKind::Http(build_http(m)?)),
-        TaskType::Container => Ok(TaskKind::Container(build_container(
-            m, vl, task_env, limits,
-        )?)),
-    }
-}
-
-fn build_http(m: &TaskMessage) -> Result<HttpSpec, Invalid> {
-    let (url, field) = match (&m.url, &m.payload) {
-        (Some(_), Some(_)) => {
-            return Err(Invalid::new(
-                "payload",
-                "give either `url` or `payload`, not both",
-            ))
-        }
-        (Some(u), None) => (u.trim().to_string(), "url"),
-        (None, Some(p)) => (p.trim().to_string(), "payload"),
-        (None, None) => return Err(Invalid::new("url", "missing (or give `payload`)")),
-    };
-    let parsed = reqwest::Url::parse(&url).map_err(|e| {
-        Invalid::new(
-            field,
-            format!("`{}` is not a URL: {e}", truncate_for_error(&url)),
-        )
-    })?;
-    if !matches!(parsed.scheme(), "http" | "https") {
-        return Err(Invalid::new(field, "only http and https URLs are allowed"));
-    }
-    let method = m
-        .method
-        .clone()
-        .unwrap_or_else(|| "GET".into())
-        .to_ascii_uppercase();
-    if reqwest::Method::from_bytes(method.as_bytes()).is_err() {
-        return Err(Invalid::new(
-            "method",
-            format!("`{method}` is not an HTTP method"),
-        ));
-    }
-    let headers = m.headers.clone().unwrap_or_default();
-    for (k, v) in &headers {
-        if reqwest::header::HeaderName::from_bytes(k.as_bytes()).is_err() {
-            return Err(Invalid::new(
-                format!("headers.{k}"),
-                "not a valid header name",
-            ));
-        }
-        if reqwest::header::HeaderValue::from_str(v).is_err() {
-            return Err(Invalid::new(
-                format!("headers.{k}"),
-                "not a valid header value",
-            ));
-        }
-    }
-    let success = match &m.success {
-        None => (200, 299),
-        Some(SuccessValue::One(s)) => (*s, *s),
-        Some(SuccessValue::Range([a, b])) => (*a, *b),
-        Some(SuccessValue::Text(t)) => {
-            let (a, b) = t.split_once('-').unwrap_or((t, t));
-            let p = |s: &str| s.trim().parse::<u16>().ok();
-            match (p(a), p(b)) {
-                (Some(a), Some(b)) => (a, b),
-                _ => {
-                    return Err(Invalid::new(
-                        "success",
-                        format!("`{t}` is not a status range like \"200-299\""),
-                    ))
-                }
-            }
-        }
-    };
-    if !(100..=599).contains(&success.0)
-        || !(100..=599).contains(&success.1)
-        || success.0 > success.1
-    {
-        return Err(Invalid::new(
-            "success",
-            "must be a status range within 100-599, low to high",
-        ));
-    }
-    Ok(HttpSpec {
-        url,
-        method,
-        headers,
-        body: m.body.clone(),
-        success,
-    })
-}
-
-/// `docker run` options allowed in a container task's seed `payload`.
-const SAFE_DOCKER_OPTS: &str =
-    "-e/--env, -w/--workdir, -u/--user, --entrypoint, --network, --memory, --cpus";
-
-fn build_container(
-    m: &TaskMessage,
-    vl: &ValidationLimits,
-    task_env: &BTreeMap<String, String>,
-    limits: &Limits,
-) -> Result<ContainerSpec, Invalid> {
-    let image = m
-        .image
-        .clone()
-        .ok_or_else(|| Invalid::new("image", "missing (the image to run)"))?;
-    if image.is_empty()
-        || image.len() > 512
-        || image.chars().any(|c| c.is_whitespace() || c.is_control())
-    {
-        return Err(Invalid::new("image", "not a valid image reference"));
-    }
-    let mut spec = ContainerSpec {
-        image,
-        entrypoint: m.entrypoint.clone(),
-        args: m.args.clone(),
-        env: task_env.clone(),
-        workdir: m.workdir.clone(),
-        user: m.user.clone(),
-        network: m.network.clone(),
-        pull: m.pull.unwrap_or_default(),
-        memory: limits.memory,
-        cpus: limits.cpu,
-    };
-    if let Some(p) = &m.payload {
-        apply_docker_options(&mut spec, p)?;
-    }
-    if let Some(n) = &spec.network {
-        if !(n == "none" || n == "bridge" || vl.allowed_networks.iter().any(|a| a == n)) {
-            return Err(Invalid::new(
-                "network",
-                format!(
-                    "`{n}` is not allowed (none, bridge, or a network on the worker's allow list)"
-                ),
-            ));
-        }
-    }
-    if let Some(ep) = &spec.entrypoint {
-        if ep.is_empty() {
-            return Err(Invalid::new("entrypoint", "must not be empty"));
-        }
-    }
-    Ok(spec)
-}
-
-/// Parse the seed form's `docker run` options, accepting only the safe set.
-fn apply_docker_options(spec: &mut ContainerSpec, payload: &str) -> Result<(), Invalid> {
-    let words = shell_words::split(payload)
-        .map_err(|e| Invalid::new("payload", format!("cannot split options: {e}")))?;
-    let mut it = words.into_iter();
-    while let Some(word) = it.next() {
-        let (name, inline) = match word.split_once('=') {
-            Some((n, v)) if n.starts_with("--") => (n.to_string(), Some(v.to_string())),
-            _ => (word.clone(), None),
-        };
-        // Short options may carry their value glued on: -eK=V, -w/dir.
-        let (name, inline) = if !name.starts_with("--")
-            && name.starts_with('-')
-            && name.len() > 2
-            && name.is_char_boundary(2)
-        {
-            (name[..2].to_string(), Some(name[2..].to_string()))
-        } else {
-            (name, inline)
-        };
-        let canonical = match name.as_str() {
-            "-e" | "--env" => "--env",
-            "-w" | "--workdir" => "--workdir",
-            "-u" | "--user" => "--user",
-            "--entrypoint" | "--network" | "--memory" | "--cpus" => name.as_str(),
-            _ if name.starts_with('-') => {
-                return Err(Invalid::new(
-                    "payload",
-                    format!("docker option `{name}` is not allowed (allowed: {SAFE_DOCKER_OPTS})"),
-                ))
-            }
-            _ => {
-                return Err(Invalid::new(
-                    "payload",
-                    format!("unexpected word `{}`: payload holds docker run options only; the image goes in `image`, the command in `args`", truncate_for_error(&word)),
-                ))
-            }
-        }
-        .to_string();
-        let value = match inline {
-            Some(v) => v,
-            None => it
-                .next()
-                .ok_or_else(|| Invalid::new("payload", format!("option `{name}` needs a value")))?,
-        };
-        match canonical.as_str() {
-            "--env" => {
-                let (k, v) = value.split_once('=').ok_or_else(|| {
-                    Invalid::new("payload", format!("`{name} {value}`: expected K=V"))
-                })?;
-                check_env_pair(k, v, "payload --env")?;
-                spec.env.insert(k.to_string(), v.to_string());
-            }
-            "--workdir" => spec.workdir = Some(value),
-            "--user" => spec.user = Some(value),
-            "--entrypoint" => spec.entrypoint = Some(vec![value]),
-            "--network" => spec.network = Some(value),
-            "--memory" => {
-                let b = parse_size(&value).map_err(|e| Invalid::new("payload --memory", e))?;
-                if b < 1024 * 1024 {
-                    return Err(Invalid::new("payload --memory", "must be at least 1MiB"));
-                }
-                spec.memory = Some(b);
-            }
-            "--cpus" => {
-                let c: f64 = value
-                    .parse()
-                    .ok()
-                    .filter(|c: &f64| *c > 0.0 && *c <= 1024.0)
-                    .ok_or_else(|| {
-                        Invalid::new(
-                            "payload --cpus",
-                            format!("`{value}` is not a number of cores"),
-                        )
-                    })?;
-                spec.cpus = Some(c);
-            }
-            _ => unreachable!(),
-        }
     }
     Ok(())
 }
@@ -1506,7 +1123,7 @@ pub struct TaskResult {
     pub id: String,
     pub label: String,
     #[serde(rename = "type")]
-    pub task_type: Option<TaskType>,
+    pub task_type: Option<String>,
     pub status: Status,
     #[serde(rename = "final")]
     pub is_final: bool,
@@ -1550,7 +1167,7 @@ impl TaskResult {
     pub fn blank(
         id: &str,
         label: &str,
-        task_type: Option<TaskType>,
+        task_type: Option<String>,
         status: Status,
         attempt: u32,
         max_attempts: u32,
@@ -1602,7 +1219,8 @@ pub struct Heartbeat {
     pub pid: u32,
     pub version: String,
     pub labels: Vec<String>,
-    pub types: Vec<TaskType>,
+    /// The types this worker runs.
+    pub types: Vec<String>,
     pub slots: usize,
     pub running: usize,
     pub tasks: Vec<String>,
@@ -1635,10 +1253,10 @@ mod tests {
         assert_eq!(t.id, "seq-7");
         assert_eq!(t.idempotency_key, "seq-7");
         assert_eq!(
-            t.kind,
-            TaskKind::Shell {
+            t.spec::<crate::runner::command::ProcessSpec>(),
+            Some(&crate::runner::command::ProcessSpec::Shell {
                 script: "echo hello".into()
-            }
+            })
         );
         assert_eq!(t.retry, RetryPolicy::default());
     }
@@ -1687,8 +1305,32 @@ mod tests {
         let e =
             parse(r#"{"type":"shell","payload":"x","retry":{"max_attempts":"x"}}"#).unwrap_err();
         assert_eq!(e.field, "retry.max_attempts");
-        let e = parse(r#"{"type":"nope","payload":"x"}"#).unwrap_err();
-        assert_eq!(e.field, "type");
+        // A type not registered here may run on another worker of the
+        // label: only the envelope is checked.
+        let t = parse(r#"{"type":"resize-image","width":5}"#).unwrap();
+        assert!(!t.runnable());
+        assert_eq!(t.fields.get("width"), Some(&serde_json::json!(5)));
+        for bad in [
+            r#"{"type":"No Such"}"#,
+            r#"{"type":5}"#,
+            r#"{"payload":"x"}"#,
+        ] {
+            assert_eq!(parse(bad).unwrap_err().field, "type", "{bad}");
+        }
+    }
+
+    #[test]
+    fn fields_are_checked_by_their_type() {
+        let e = parse(r#"{"type":"shell","payload":"x","timout":"5s"}"#).unwrap_err();
+        assert_eq!(e.field, "timout");
+        assert!(e.problem.contains("did you mean `timeout`"), "{e}");
+        let e = parse(r#"{"type":"shell","payload":"x","url":"http://x"}"#).unwrap_err();
+        assert_eq!(
+            (e.field.as_str(), e.problem.as_str()),
+            ("url", "does not apply to type shell")
+        );
+        let e = parse(r#"{"type":"command","command":"x","args":"y"}"#).unwrap_err();
+        assert_eq!(e.field, "args");
     }
 
     #[test]
@@ -1808,9 +1450,7 @@ mod tests {
     #[test]
     fn container_payload_safe_subset() {
         let t = parse(r#"{"type":"container","image":"busybox","payload":"-e A=1 --memory 64MiB -w /tmp --network none"}"#).unwrap();
-        let TaskKind::Container(c) = t.kind else {
-            panic!()
-        };
+        let c = t.spec::<crate::runner::container::ContainerSpec>().unwrap();
         assert_eq!(c.env.get("A").map(String::as_str), Some("1"));
         assert_eq!(c.memory, Some(64 * 1024 * 1024));
         assert_eq!(c.workdir.as_deref(), Some("/tmp"));
@@ -1841,7 +1481,7 @@ mod tests {
     fn http_fields() {
         let t =
             parse(r#"{"type":"http","payload":"http://127.0.0.1/x","success":"200-204"}"#).unwrap();
-        let TaskKind::Http(h) = t.kind else { panic!() };
+        let h = t.spec::<crate::runner::http::HttpSpec>().unwrap();
         assert_eq!(h.success, (200, 204));
         assert_eq!(h.method, "GET");
         assert_eq!(

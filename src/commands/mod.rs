@@ -50,9 +50,17 @@ pub enum Exit {
 /// Shared settings handed to every subcommand.
 pub struct Ctx {
     pub connect: ConnectConfig,
+    /// Task types the config file defines: `schema` shows them and local
+    /// validation checks their tasks.
+    pub type_defs: Vec<crate::runner::defined::TypeDef>,
 }
 
 impl Ctx {
+    /// The types a task is validated against before it is published.
+    pub fn validators(&self, allowed_networks: Vec<String>) -> crate::runner::Registry {
+        crate::runner::Registry::validators(allowed_networks, &self.type_defs)
+    }
+
     /// Connect for an operator command (fails fast).
     pub async fn client(&self) -> anyhow::Result<async_nats::Client> {
         crate::connect::connect_cli(&self.connect).await
@@ -155,7 +163,10 @@ fn run_cli(cli: Cli) -> anyhow::Result<Exit> {
         return rt.block_on(health::run(&settings, a));
     }
     let connect = config::resolve_connect(&settings)?;
-    let ctx = Ctx { connect };
+    let ctx = Ctx {
+        connect,
+        type_defs: settings.type_defs.clone(),
+    };
     rt.block_on(async move {
         match cli.command {
             Command::Run(_)

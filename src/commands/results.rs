@@ -294,8 +294,8 @@ fn write_attempt(o: &mut impl Write, r: &TaskResult, colour: bool) -> std::io::R
     )?;
     let kv = |o: &mut dyn Write, k: &str, v: &str| writeln!(o, "  {k:<10} {v}");
     kv(o, "label", &r.label)?;
-    if let Some(t) = r.task_type {
-        kv(o, "type", t.as_str())?;
+    if let Some(t) = &r.task_type {
+        kv(o, "type", t)?;
     }
     kv(o, "worker", &r.worker_id)?;
     kv(o, "started", &output::timestamp(r.started_at))?;

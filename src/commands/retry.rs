@@ -133,7 +133,7 @@ async fn republish(conn: &Conn, d: &DeadLetter, new_id: Option<String>) -> anyho
         None => next_id(conn, id).await?.1,
     };
     msg.id = Some(new_id.clone());
-    let (bytes, _) = validate_locally(&d.label, &msg, Origin::Direct { msg_id: &new_id })
+    let (bytes, _) = validate_locally(&d.label, &msg, Origin::Direct { msg_id: &new_id }, &[])
         .map_err(|e| anyhow!("the dead task {id} cannot be replayed as it is: {e}"))?;
     let subject = conn.names.task_subject(&d.label);
     let ack = conn

@@ -329,7 +329,12 @@ async fn add(ctx: &super::Ctx, a: AddArgs, json: bool) -> anyhow::Result<Exit> {
     let subject = names.schedule_subject(&a.name);
     let target = names.task_subject(&label);
     let msg = a.task.build()?;
-    let (bytes, _) = validate_locally(&label, &msg, Origin::Schedule { subject: &subject })?;
+    let (bytes, _) = validate_locally(
+        &label,
+        &msg,
+        Origin::Schedule { subject: &subject },
+        &ctx.type_defs,
+    )?;
 
     let headers = schedule_headers(&spec, &target);
     if a.dry_run {

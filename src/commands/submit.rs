@@ -50,9 +50,7 @@ use super::taskflags;
 use super::taskflags::{validate_locally, Origin, TaskArgs};
 use super::tree::{self, Roots};
 use super::Exit;
-use crate::protocol::{
-    parse_duration, JoinPolicy, Shard, Status, TaskMessage, TaskResult, TaskType,
-};
+use crate::protocol::{parse_duration, JoinPolicy, Shard, Status, TaskMessage, TaskResult};
 
 #[derive(Debug, Clone, Args)]
 pub struct SubmitArgs {
@@ -150,7 +148,12 @@ pub async fn run(ctx: &super::Ctx, args: SubmitArgs) -> anyhow::Result<Exit> {
         None => {
             let mut m = base.clone();
             m.id = Some(base_id.clone());
-            let (bytes, _) = validate_locally(&label, &m, Origin::Direct { msg_id: &base_id })?;
+            let (bytes, _) = validate_locally(
+                &label,
+                &m,
+                Origin::Direct { msg_id: &base_id },
+                &ctx.type_defs,
+            )?;
             tasks.push((base_id.clone(), bytes));
         }
         Some(0) => bail!("--shards: must be at least 1"),
@@ -163,7 +166,8 @@ pub async fn run(ctx: &super::Ctx, args: SubmitArgs) -> anyhow::Result<Exit> {
                 let mut m = base.clone();
                 m.id = Some(id.clone());
                 m.shard = Some(Shard { no, total });
-                let (bytes, _) = validate_locally(&label, &m, Origin::Direct { msg_id: &id })?;
+                let (bytes, _) =
+                    validate_locally(&label, &m, Origin::Direct { msg_id: &id }, &ctx.type_defs)?;
                 tasks.push((id, bytes));
             }
         }
@@ -337,12 +341,11 @@ fn template_of(base: &TaskMessage) -> TaskMessage {
     t.shard_total = None;
     t.then = None;
     t.then_all = None;
-    t.payload = None;
-    t.script = None;
-    t.command = None;
-    t.args = None;
-    if t.task_type == Some(TaskType::Http) {
-        t.url = None;
+    for f in ["payload", "script", "command", "args"] {
+        t.remove_field(f);
+    }
+    if t.task_type.as_deref() == Some("http") {
+        t.remove_field("url");
     }
     t
 }
@@ -352,13 +355,13 @@ fn template_of(base: &TaskMessage) -> TaskMessage {
 fn step_task(template: &TaskMessage, step: &Step) -> anyhow::Result<TaskMessage> {
     let words = match step {
         Step::Text(t) if t.trim_start().starts_with('{') => return taskflags::parse_message(t),
-        Step::Text(t) => match template.task_type {
-            Some(TaskType::Http) => {
+        Step::Text(t) => match template.task_type.as_deref() {
+            Some("http") => {
                 let mut m = template.clone();
-                m.url = Some(t.clone());
+                m.set_field("url", t.clone());
                 return Ok(m);
             }
-            Some(TaskType::Shell) | None => vec![t.clone()],
+            Some("shell") | None => vec![t.clone()],
             Some(_) => shell_words::split(t).map_err(|e| anyhow::anyhow!("`{t}`: {e}"))?,
         },
         Step::Words(w) => w.clone(),
@@ -559,10 +562,16 @@ mod tests {
     }
 
     fn scripts(m: &TaskMessage) -> Vec<String> {
-        let mut out = vec![m.script.clone().unwrap_or_default()];
+        let script = |m: &TaskMessage| {
+            m.field("script")
+                .and_then(|s| s.as_str())
+                .unwrap_or_default()
+                .to_string()
+        };
+        let mut out = vec![script(m)];
         let mut at = m;
         while let Some(next) = at.then.as_ref().and_then(|t| t.first()) {
-            out.push(next.script.clone().unwrap_or_default());
+            out.push(script(next));
             at = next;
         }
         out
@@ -602,14 +611,16 @@ mod tests {
         let m = build(&["--on-failure", "undo", "--then", "b", "--", "a"]).unwrap();
         let then = m.then.as_ref().unwrap();
         assert_eq!(then.len(), 2);
-        assert_eq!(then[1].script.as_deref(), Some("undo"));
+        assert_eq!(then[1].field("script"), Some(&"undo".into()));
         assert_eq!(
             then[1].on.as_deref(),
             Some(&[Status::Failed, Status::Timeout, Status::Dead][..])
         );
         // The last step has its own failure branch.
         assert_eq!(
-            then[0].then.as_ref().unwrap()[0].script.as_deref(),
+            then[0].then.as_ref().unwrap()[0]
+                .field("script")
+                .and_then(|s| s.as_str()),
             Some("undo")
         );
         let m = build(&[
@@ -624,7 +635,7 @@ mod tests {
         ])
         .unwrap();
         let j = m.then_all.unwrap();
-        assert_eq!(j.command.as_deref(), Some("merge"));
+        assert_eq!(j.field("command"), Some(&"merge".into()));
         assert_eq!(j.policy, Some(JoinPolicy::Always));
         let m = build(&[
             "--type",
@@ -636,7 +647,7 @@ mod tests {
         ])
         .unwrap();
         let b = &m.then.unwrap()[0];
-        assert_eq!(b.command.as_deref(), Some("/bin/echo"));
-        assert_eq!(b.args.as_deref(), Some(&["b c".to_string()][..]));
+        assert_eq!(b.field("command"), Some(&"/bin/echo".into()));
+        assert_eq!(b.field("args"), Some(&serde_json::json!(["b c"])));
     }
 }

@@ -15,18 +15,22 @@ use anyhow::{anyhow, bail, Context as _};
 use chrono::Utc;
 use clap::Args;
 
+use serde_json::Value;
+
 use crate::protocol::{
-    parse_task, valid_id, valid_label, Envelope, LimitsMessage, PullPolicy, RetryMessage,
-    SizeValue, SuccessValue, Task, TaskMessage, TaskType, ValidationLimits,
+    parse_task, valid_id, valid_label, Envelope, LimitsMessage, RetryMessage, SizeValue, Task,
+    TaskMessage, ValidationLimits,
 };
+use crate::runner::defined::TypeDef;
 
 /// How to describe a task on the command line.
 #[derive(Debug, Clone, Default, Args)]
 pub struct TaskArgs {
-    /// Task type: shell, command, http or container [default: container with
-    /// --image, http with --url, else shell].
+    /// Task type: shell, command, http, container or a type the label's
+    /// workers define [default: container with --image, http with --url,
+    /// else shell].
     #[arg(long = "type", short = 't', value_name = "TYPE")]
-    pub task_type: Option<TaskType>,
+    pub task_type: Option<String>,
     /// Queue label; the task goes to tasks.<label>.
     #[arg(long, short = 'l', default_value = "default")]
     pub label: String,
@@ -100,6 +104,11 @@ pub struct TaskArgs {
     /// container: never, if-missing or always.
     #[arg(long, value_name = "POLICY", help_heading = "Container tasks")]
     pub pull: Option<String>,
+    /// A field of the task's type (repeatable), for types defined on the
+    /// workers: NAME=VALUE, the value as JSON when it parses (5, true,
+    /// ["a","b"]), else as text.
+    #[arg(long = "field", short = 'F', value_name = "NAME=VALUE")]
+    pub fields: Vec<String>,
     /// After `--`: shell → the script; command → program and arguments;
     /// container → the image's CMD.
     #[arg(last = true, value_name = "WORDS")]
@@ -116,6 +125,7 @@ impl TaskArgs {
             || self.url.is_some()
             || self.image.is_some()
             || self.task_type.is_some()
+            || !self.fields.is_empty()
     }
 
     /// The label, checked.
@@ -159,17 +169,20 @@ impl TaskArgs {
     }
 
     fn apply(&self, m: &mut TaskMessage) -> anyhow::Result<()> {
-        if let Some(t) = self.task_type {
-            m.task_type = Some(t);
+        if let Some(t) = &self.task_type {
+            m.task_type = Some(t.clone());
         }
         if m.task_type.is_none() {
-            m.task_type = Some(if self.image.is_some() {
-                TaskType::Container
-            } else if self.url.is_some() {
-                TaskType::Http
-            } else {
-                TaskType::Shell
-            });
+            m.task_type = Some(
+                if self.image.is_some() {
+                    "container"
+                } else if self.url.is_some() {
+                    "http"
+                } else {
+                    "shell"
+                }
+                .to_string(),
+            );
         }
         if let Some(id) = &self.id {
             if !valid_id(id) {
@@ -181,7 +194,7 @@ impl TaskArgs {
             if !self.words.is_empty() {
                 bail!("give the task either as --payload or as words after --, not both");
             }
-            m.payload = Some(p.clone());
+            m.set_field("payload", p.clone());
         }
         if let Some(k) = &self.idempotency_key {
             m.idempotency_key = Some(k.clone());
@@ -218,51 +231,65 @@ impl TaskArgs {
         }
         // http
         if let Some(u) = &self.url {
-            m.url = Some(u.clone());
+            m.set_field("url", u.clone());
         }
         if let Some(x) = &self.method {
-            m.method = Some(x.clone());
+            m.set_field("method", x.clone());
         }
-        for h in &self.headers {
-            let (k, v) = h
-                .split_once(':')
-                .ok_or_else(|| anyhow!("--header: `{h}` is not \"Name: value\""))?;
-            m.headers
-                .get_or_insert_with(BTreeMap::new)
-                .insert(k.trim().to_string(), v.trim().to_string());
+        if !self.headers.is_empty() {
+            let mut headers = match m.remove_field("headers") {
+                Some(Value::Object(h)) => h,
+                _ => serde_json::Map::new(),
+            };
+            for h in &self.headers {
+                let (k, v) = h
+                    .split_once(':')
+                    .ok_or_else(|| anyhow!("--header: `{h}` is not \"Name: value\""))?;
+                headers.insert(k.trim().to_string(), Value::from(v.trim()));
+            }
+            m.set_field("headers", Value::Object(headers));
         }
         if let Some(b) = &self.body {
-            m.body = Some(b.clone());
+            m.set_field("body", b.clone());
         }
         if let Some(s) = &self.success {
-            m.success = Some(match s.parse::<u16>() {
-                Ok(n) => SuccessValue::One(n),
-                Err(_) => SuccessValue::Text(s.clone()),
-            });
+            m.set_field(
+                "success",
+                match s.parse::<u16>() {
+                    Ok(n) => Value::from(n),
+                    Err(_) => Value::from(s.clone()),
+                },
+            );
         }
         // container
         if let Some(i) = &self.image {
-            m.image = Some(i.clone());
+            m.set_field("image", i.clone());
         }
         if !self.entrypoint.is_empty() {
-            m.entrypoint = Some(self.entrypoint.clone());
+            m.set_field("entrypoint", self.entrypoint.clone());
         }
         if let Some(w) = &self.workdir {
-            m.workdir = Some(w.clone());
+            m.set_field("workdir", w.clone());
         }
         if let Some(u) = &self.container_user {
-            m.user = Some(u.clone());
+            m.set_field("user", u.clone());
         }
         if let Some(n) = &self.network {
-            m.network = Some(n.clone());
+            m.set_field("network", n.clone());
         }
         if let Some(p) = &self.pull {
-            m.pull = Some(match p.as_str() {
-                "never" => PullPolicy::Never,
-                "if-missing" => PullPolicy::IfMissing,
-                "always" => PullPolicy::Always,
-                o => bail!("--pull: `{o}` is not never, if-missing or always"),
-            });
+            if !["never", "if-missing", "always"].contains(&p.as_str()) {
+                bail!("--pull: `{p}` is not never, if-missing or always");
+            }
+            m.set_field("pull", p.clone());
+        }
+        // Any type's fields.
+        for f in &self.fields {
+            let (k, v) = f
+                .split_once('=')
+                .ok_or_else(|| anyhow!("--field: `{f}` is not NAME=VALUE"))?;
+            let value = serde_json::from_str::<Value>(v).unwrap_or_else(|_| Value::from(v));
+            m.set_field(k.trim(), value);
         }
         // The words after `--`.
         if !self.words.is_empty() {
@@ -278,19 +305,20 @@ pub fn apply_words(m: &mut TaskMessage, words: &[String]) -> anyhow::Result<()> 
     let Some((first, rest)) = words.split_first() else {
         bail!("no words for the task");
     };
-    match m.task_type.unwrap_or(TaskType::Shell) {
-        TaskType::Shell => {
-            m.script = Some(words.join(" "));
-            m.payload = None;
+    match m.task_type.as_deref().unwrap_or("shell") {
+        "shell" => {
+            m.set_field("script", words.join(" "));
+            m.remove_field("payload");
         }
-        TaskType::Command => {
-            m.command = Some(first.clone());
-            m.args = Some(rest.to_vec());
+        "command" => {
+            m.set_field("command", first.clone());
+            m.set_field("args", rest.to_vec());
         }
-        TaskType::Container => m.args = Some(words.to_vec()),
-        TaskType::Http => {
+        "container" => m.set_field("args", words.to_vec()),
+        "http" => {
             bail!("http tasks take --url (or --payload), not words after --")
         }
+        other => bail!("words after -- are for shell, command and container tasks; give type {other}'s fields with --field NAME=VALUE"),
     }
     Ok(())
 }
@@ -350,12 +378,15 @@ pub enum Origin<'a> {
     Schedule { subject: &'a str },
 }
 
-/// Validate a task exactly as a worker will, before publishing it. Networks
-/// are the worker's business, so the task's own network is allowed here.
+/// Validate a task exactly as a worker will, before publishing it, with
+/// the built-in types and `defined` (the config file's): a task of another
+/// type has its envelope checked only. Networks are the worker's business,
+/// so the task's own network is allowed here.
 pub fn validate_locally(
     label: &str,
     m: &TaskMessage,
     origin: Origin<'_>,
+    defined: &[TypeDef],
 ) -> anyhow::Result<(Vec<u8>, Task)> {
     // Nested objects serialise their unset fields as null; leave them out
     // so that the wire form is what a person would have typed.
@@ -373,8 +404,12 @@ pub fn validate_locally(
         scheduler,
         published,
     };
+    let networks = m
+        .field("network")
+        .and_then(Value::as_str)
+        .map(str::to_string);
     let limits = ValidationLimits {
-        allowed_networks: m.network.iter().cloned().collect(),
+        types: crate::runner::Registry::validators(networks.into_iter().collect(), defined),
         ..Default::default()
     };
     let task = parse_task(&bytes, &env, &limits).map_err(|e| anyhow!("invalid task: {e}"))?;
@@ -406,7 +441,7 @@ mod tests {
         let m = args(&["--retries", "2", "-e", "A=1", "--", "echo", "hi"])
             .build()
             .unwrap();
-        assert_eq!(m.script.as_deref(), Some("echo hi"));
+        assert_eq!(m.field("script"), Some(&Value::from("echo hi")));
         assert_eq!(m.retry.unwrap().max_attempts, Some(3));
         assert_eq!(m.env.unwrap()["A"], "1");
     }
@@ -416,8 +451,8 @@ mod tests {
         let m = args(&["--type", "command", "--", "/bin/echo", "a", "b"])
             .build()
             .unwrap();
-        assert_eq!(m.command.as_deref(), Some("/bin/echo"));
-        assert_eq!(m.args.unwrap(), vec!["a", "b"]);
+        assert_eq!(m.field("command"), Some(&Value::from("/bin/echo")));
+        assert_eq!(m.field("args"), Some(&serde_json::json!(["a", "b"])));
     }
 
     #[test]
@@ -434,20 +469,34 @@ mod tests {
         ])
         .build()
         .unwrap();
-        let (bytes, _) = validate_locally("default", &m, Origin::Direct { msg_id: "x" }).unwrap();
+        let (bytes, _) =
+            validate_locally("default", &m, Origin::Direct { msg_id: "x" }, &[]).unwrap();
         assert_eq!(
             String::from_utf8(bytes).unwrap(),
             r#"{"limits":{"memory":"64MiB","pids":10},"retry":{"max_attempts":2},"script":"true","type":"shell"}"#
         );
         assert!(args(&["--limit", "disk=1"]).build().is_err());
         let m = args(&["--timeout", "soon", "--", "true"]).build().unwrap();
-        let e = validate_locally("default", &m, Origin::Direct { msg_id: "x" }).unwrap_err();
+        let e = validate_locally("default", &m, Origin::Direct { msg_id: "x" }, &[]).unwrap_err();
         assert!(e.to_string().contains("timeout"), "{e}");
     }
 
     #[test]
     fn unknown_field_in_file_is_named() {
-        let e = parse_message(r#"{"type":"shell","timout":"5s"}"#).unwrap_err();
-        assert!(e.to_string().contains("timout"), "{e}");
+        let m = parse_message(r#"{"type":"shell","script":"x","timout":"5s"}"#).unwrap();
+        let e = validate_locally("default", &m, Origin::Direct { msg_id: "x" }, &[]).unwrap_err();
+        assert!(e.to_string().contains("did you mean `timeout`"), "{e}");
+    }
+
+    #[test]
+    fn fields_of_other_types() {
+        let m = args(&["--type", "python", "-F", "script=print(1)", "-F", "n=5"])
+            .build()
+            .unwrap();
+        assert_eq!(m.field("n"), Some(&Value::from(5)));
+        // Not a type known here: the envelope is checked, the rest is the
+        // workers' business.
+        let (_, t) = validate_locally("default", &m, Origin::Direct { msg_id: "x" }, &[]).unwrap();
+        assert!(!t.runnable());
     }
 }

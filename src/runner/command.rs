@@ -10,6 +10,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -17,12 +18,15 @@ use tokio::io::AsyncReadExt;
 use tokio::process::{Child, ChildStderr, ChildStdout};
 use tokio::time::Instant;
 
+use schemars::JsonSchema;
+use serde::Deserialize;
+
 use super::supervise::{self, Clock, OutputSource, Supervised};
-use super::{Outcome, RunContext};
+use super::{fields_schema_of, Fields, Outcome, RunContext, Runner};
 use crate::cgroup::{Cgroups, TaskCgroup};
 use crate::output::{OutputSink, StreamKind};
 use crate::process::{self, ChildLimits, ChildSetup, GroupJournal, TaskUser};
-use crate::protocol::{Status, TaskKind};
+use crate::protocol::{Invalid, Status, Task};
 
 /// How long to keep reading pipes after the group was killed, in case a
 /// process that left the group still holds them.
@@ -30,7 +34,95 @@ const PIPE_DRAIN: Duration = Duration::from_secs(2);
 /// Read buffer per pipe.
 const PIPE_BUF: usize = 16 * 1024;
 
-/// Runs `shell` and `command` tasks.
+/// What a process attempt runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ProcessSpec {
+    /// A script for the worker's shell (`shell`).
+    Shell {
+        /// The script.
+        script: String,
+    },
+    /// A program, looked up on the task's PATH, with its arguments
+    /// (`command`, and the types defined in config).
+    Program {
+        /// The program name or path.
+        program: String,
+        /// Its arguments.
+        args: Vec<String>,
+        /// Variables set on top of the task's environment.
+        env: BTreeMap<String, String>,
+    },
+}
+
+/// The fields of a `command` task.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(title = "command")]
+struct CommandFields {
+    /// command: the program (a path, or a name looked up on PATH).
+    command: Option<String>,
+    /// command: arguments; container: overrides the image's CMD.
+    args: Option<Vec<String>>,
+}
+
+/// Runs `command` tasks.
+pub struct CommandRunner {
+    process: Option<Arc<ProcessRunner>>,
+}
+
+impl CommandRunner {
+    /// Command tasks run by `process`.
+    pub(crate) fn new(process: Arc<ProcessRunner>) -> Self {
+        CommandRunner {
+            process: Some(process),
+        }
+    }
+
+    /// Validation only (the CLI): running fails.
+    pub(crate) fn validator() -> Self {
+        CommandRunner { process: None }
+    }
+}
+
+impl Runner for CommandRunner {
+    type Spec = ProcessSpec;
+
+    fn name(&self) -> &str {
+        "command"
+    }
+
+    fn fields_schema(&self) -> serde_json::Value {
+        fields_schema_of::<CommandFields>()
+    }
+
+    fn validate(&self, fields: &Fields, _task: &Task) -> Result<ProcessSpec, Invalid> {
+        let f: CommandFields = fields.parse()?;
+        let program = f
+            .command
+            .ok_or_else(|| Invalid::new("command", "missing (the program to run)"))?;
+        if program.is_empty() || program.contains('\0') {
+            return Err(Invalid::new("command", "must be a non-empty program name"));
+        }
+        let args = f.args.unwrap_or_default();
+        if let Some(i) = args.iter().position(|a| a.contains('\0')) {
+            return Err(Invalid::new(format!("args[{i}]"), "contains a NUL byte"));
+        }
+        Ok(ProcessSpec::Program {
+            program,
+            args,
+            env: BTreeMap::new(),
+        })
+    }
+
+    async fn run(&self, spec: &ProcessSpec, ctx: RunContext) -> Outcome {
+        match &self.process {
+            Some(p) => p.run(spec, ctx).await,
+            None => Outcome::failed("internal error: a validation-only runner cannot run tasks"),
+        }
+    }
+}
+
+/// Runs processes for `shell`, `command` and the types defined in config:
+/// one per worker, shared by those runners.
 pub struct ProcessRunner {
     /// Shell program (resolved) and flags (`bash -c`).
     shell: PathBuf,
@@ -196,10 +288,11 @@ impl ProcessRunner {
         Ok(dir)
     }
 
-    pub async fn run(&self, ctx: RunContext) -> Outcome {
-        let (program, args): (PathBuf, &[String]) = match &ctx.task.kind {
-            TaskKind::Shell { .. } => (self.shell.clone(), &self.shell_args),
-            TaskKind::Command { program, args } => {
+    /// Run one attempt of a process task.
+    pub async fn run(&self, spec: &ProcessSpec, ctx: RunContext) -> Outcome {
+        let (program, args): (PathBuf, &[String]) = match spec {
+            ProcessSpec::Shell { .. } => (self.shell.clone(), &self.shell_args),
+            ProcessSpec::Program { program, args, .. } => {
                 let path = ctx
                     .env
                     .get("PATH")
@@ -210,7 +303,6 @@ impl ProcessRunner {
                     Err(e) => return Outcome::failed(e.message),
                 }
             }
-            _ => return Outcome::failed("internal error: not a process task"),
         };
         let workdir = match self.make_workdir(&ctx) {
             Ok(d) => d,
@@ -227,7 +319,7 @@ impl ProcessRunner {
             None => None,
         };
         let outcome = self
-            .run_in(&ctx, &program, args, &workdir, cgroup.as_ref())
+            .run_in(&ctx, spec, &program, args, &workdir, cgroup.as_ref())
             .await;
         if let (Some(c), Some(cg)) = (&self.cgroups, cgroup) {
             c.release(cg).await;
@@ -239,6 +331,7 @@ impl ProcessRunner {
     async fn run_in(
         &self,
         ctx: &RunContext,
+        spec: &ProcessSpec,
         program: &Path,
         args: &[String],
         workdir: &Path,
@@ -246,14 +339,19 @@ impl ProcessRunner {
     ) -> Outcome {
         let mut cmd = tokio::process::Command::new(program);
         cmd.args(args);
-        if let TaskKind::Shell { script } = &ctx.task.kind {
-            cmd.arg(script);
-        }
+        let extra_env = match spec {
+            ProcessSpec::Shell { script } => {
+                cmd.arg(script);
+                None
+            }
+            ProcessSpec::Program { env, .. } => Some(env),
+        };
         cmd.env_clear()
             .envs(&self.base_env)
             .env("HOME", workdir)
             .env("TMPDIR", workdir)
             .envs(&ctx.env)
+            .envs(extra_env.into_iter().flatten())
             .current_dir(workdir)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

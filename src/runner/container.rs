@@ -47,10 +47,76 @@ use futures::Stream;
 use futures::StreamExt;
 use tokio::time::{sleep_until, timeout, Instant};
 
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
 use super::supervise::{Clock, OutputSource, Supervised};
-use super::{timeout_reason, Outcome, RunContext};
+use super::{fields_schema_of, timeout_reason, Fields, Outcome, RunContext, Runner};
 use crate::output::{Captured, OutputSink, StreamKind};
-use crate::protocol::{format_size, ContainerSpec, PullPolicy, Status, TaskKind};
+use crate::protocol::{
+    check_env_pair, format_size, parse_size, truncate_for_error, Invalid, Status, Task,
+};
+
+/// When to pull a container image.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum PullPolicy {
+    /// Never: the image must be there.
+    Never,
+    /// When the engine does not have it (the default).
+    #[default]
+    IfMissing,
+    /// Before every attempt.
+    Always,
+}
+
+/// The fields of a `container` task.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(title = "container")]
+struct ContainerFields {
+    /// container: the image (required).
+    image: Option<String>,
+    /// Seed short form: shell → the script, http → the URL, container →
+    /// docker-run options.
+    payload: Option<String>,
+    /// container: overrides the image's ENTRYPOINT.
+    entrypoint: Option<Vec<String>>,
+    /// command: arguments; container: overrides the image's CMD.
+    args: Option<Vec<String>>,
+    /// container: working directory inside the container.
+    workdir: Option<String>,
+    /// container: user (`uid[:gid]` or name).
+    user: Option<String>,
+    /// container: `none`, `bridge`, or a network the worker allows.
+    network: Option<String>,
+    /// container: `never`, `if-missing` (default) or `always`.
+    pull: Option<PullPolicy>,
+}
+
+/// A validated container task.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ContainerSpec {
+    /// The image reference.
+    pub image: String,
+    /// Replaces the image's ENTRYPOINT.
+    pub entrypoint: Option<Vec<String>>,
+    /// Replaces the image's CMD.
+    pub args: Option<Vec<String>>,
+    /// The task's environment plus `--env` options of the seed form.
+    pub env: BTreeMap<String, String>,
+    /// Working directory inside the container.
+    pub workdir: Option<String>,
+    /// User inside the container.
+    pub user: Option<String>,
+    /// Network (`none`, `bridge`, or an allowed one).
+    pub network: Option<String>,
+    /// When to pull the image.
+    pub pull: PullPolicy,
+    /// Memory limit in bytes.
+    pub memory: Option<u64>,
+    /// CPU limit in cores.
+    pub cpus: Option<f64>,
+}
 
 /// Label: the task id of the attempt the container runs.
 pub const LABEL_TASK_ID: &str = "jetworker.task-id";
@@ -243,6 +309,8 @@ pub struct ContainerRunner {
     default_network: Option<String>,
     /// Put on every container; see [`WorkerIdentity::is_leftover`].
     me: WorkerIdentity,
+    /// Networks a task may name besides `none` and `bridge`.
+    allowed_networks: Vec<String>,
 }
 
 impl ContainerRunner {
@@ -254,6 +322,7 @@ impl ContainerRunner {
     pub fn new(
         docker_host: Option<&str>,
         default_network: Option<String>,
+        allowed_networks: Vec<String>,
         worker_id: &str,
         worker_name: &str,
     ) -> Self {
@@ -266,7 +335,14 @@ impl ContainerRunner {
             docker: tokio::sync::Mutex::new(None),
             default_network,
             me: WorkerIdentity::current(worker_id, worker_name),
+            allowed_networks,
         }
+    }
+
+    /// Validation only (the CLI): tasks may name `allowed_networks`; the
+    /// engine is never contacted unless a task is run.
+    pub(crate) fn validator(allowed_networks: Vec<String>) -> Self {
+        Self::new(None, None, allowed_networks, "cli", "cli")
     }
 
     /// This worker's identity as labelled on its containers.
@@ -275,7 +351,7 @@ impl ContainerRunner {
     }
 
     /// Whether the engine answers (container tasks can run here).
-    pub async fn available(&self) -> bool {
+    pub async fn engine_answers(&self) -> bool {
         self.engine().await.is_ok()
     }
 
@@ -366,11 +442,7 @@ impl ContainerRunner {
     }
 
     /// Run one attempt; every failure is an outcome.
-    pub async fn run(&self, ctx: RunContext) -> Outcome {
-        let spec = match &ctx.task.kind {
-            TaskKind::Container(spec) => spec,
-            _ => return Outcome::failed("internal error: not a container task"),
-        };
+    async fn run_attempt(&self, spec: &ContainerSpec, ctx: RunContext) -> Outcome {
         let docker = match self.engine().await {
             Ok(d) => d,
             Err(e) => return Outcome::failed(e),
@@ -865,6 +937,166 @@ fn docker_error(e: &DockerError) -> String {
         } => format!("{message} (HTTP {status_code})"),
         other => super::http::cause_chain(other),
     }
+}
+
+impl Runner for ContainerRunner {
+    type Spec = ContainerSpec;
+
+    fn name(&self) -> &str {
+        "container"
+    }
+
+    fn fields_schema(&self) -> serde_json::Value {
+        fields_schema_of::<ContainerFields>()
+    }
+
+    fn validate(&self, fields: &Fields, task: &Task) -> Result<ContainerSpec, Invalid> {
+        validate(fields.parse()?, &self.allowed_networks, task)
+    }
+
+    async fn run(&self, spec: &ContainerSpec, ctx: RunContext) -> Outcome {
+        self.run_attempt(spec, ctx).await
+    }
+
+    async fn available(&self) -> bool {
+        self.engine_answers().await
+    }
+}
+
+/// `docker run` options allowed in a container task's seed `payload`.
+const SAFE_DOCKER_OPTS: &str =
+    "-e/--env, -w/--workdir, -u/--user, --entrypoint, --network, --memory, --cpus";
+
+/// Check a container task's fields (DESIGN.md 3.4).
+fn validate(
+    m: ContainerFields,
+    allowed_networks: &[String],
+    task: &Task,
+) -> Result<ContainerSpec, Invalid> {
+    let image = m
+        .image
+        .clone()
+        .ok_or_else(|| Invalid::new("image", "missing (the image to run)"))?;
+    if image.is_empty()
+        || image.len() > 512
+        || image.chars().any(|c| c.is_whitespace() || c.is_control())
+    {
+        return Err(Invalid::new("image", "not a valid image reference"));
+    }
+    let mut spec = ContainerSpec {
+        image,
+        entrypoint: m.entrypoint.clone(),
+        args: m.args.clone(),
+        env: task.env.clone(),
+        workdir: m.workdir.clone(),
+        user: m.user.clone(),
+        network: m.network.clone(),
+        pull: m.pull.unwrap_or_default(),
+        memory: task.limits.memory,
+        cpus: task.limits.cpu,
+    };
+    if let Some(p) = &m.payload {
+        apply_docker_options(&mut spec, p)?;
+    }
+    if let Some(n) = &spec.network {
+        if !(n == "none" || n == "bridge" || allowed_networks.iter().any(|a| a == n)) {
+            return Err(Invalid::new(
+                "network",
+                format!(
+                    "`{n}` is not allowed (none, bridge, or a network on the worker's allow list)"
+                ),
+            ));
+        }
+    }
+    if let Some(ep) = &spec.entrypoint {
+        if ep.is_empty() {
+            return Err(Invalid::new("entrypoint", "must not be empty"));
+        }
+    }
+    Ok(spec)
+}
+
+/// Parse the seed form's `docker run` options, accepting only the safe set.
+fn apply_docker_options(spec: &mut ContainerSpec, payload: &str) -> Result<(), Invalid> {
+    let words = shell_words::split(payload)
+        .map_err(|e| Invalid::new("payload", format!("cannot split options: {e}")))?;
+    let mut it = words.into_iter();
+    while let Some(word) = it.next() {
+        let (name, inline) = match word.split_once('=') {
+            Some((n, v)) if n.starts_with("--") => (n.to_string(), Some(v.to_string())),
+            _ => (word.clone(), None),
+        };
+        // Short options may carry their value glued on: -eK=V, -w/dir.
+        let (name, inline) = if !name.starts_with("--")
+            && name.starts_with('-')
+            && name.len() > 2
+            && name.is_char_boundary(2)
+        {
+            (name[..2].to_string(), Some(name[2..].to_string()))
+        } else {
+            (name, inline)
+        };
+        let canonical = match name.as_str() {
+            "-e" | "--env" => "--env",
+            "-w" | "--workdir" => "--workdir",
+            "-u" | "--user" => "--user",
+            "--entrypoint" | "--network" | "--memory" | "--cpus" => name.as_str(),
+            _ if name.starts_with('-') => {
+                return Err(Invalid::new(
+                    "payload",
+                    format!("docker option `{name}` is not allowed (allowed: {SAFE_DOCKER_OPTS})"),
+                ))
+            }
+            _ => {
+                return Err(Invalid::new(
+                    "payload",
+                    format!("unexpected word `{}`: payload holds docker run options only; the image goes in `image`, the command in `args`", truncate_for_error(&word)),
+                ))
+            }
+        }
+        .to_string();
+        let value = match inline {
+            Some(v) => v,
+            None => it
+                .next()
+                .ok_or_else(|| Invalid::new("payload", format!("option `{name}` needs a value")))?,
+        };
+        match canonical.as_str() {
+            "--env" => {
+                let (k, v) = value.split_once('=').ok_or_else(|| {
+                    Invalid::new("payload", format!("`{name} {value}`: expected K=V"))
+                })?;
+                check_env_pair(k, v, "payload --env")?;
+                spec.env.insert(k.to_string(), v.to_string());
+            }
+            "--workdir" => spec.workdir = Some(value),
+            "--user" => spec.user = Some(value),
+            "--entrypoint" => spec.entrypoint = Some(vec![value]),
+            "--network" => spec.network = Some(value),
+            "--memory" => {
+                let b = parse_size(&value).map_err(|e| Invalid::new("payload --memory", e))?;
+                if b < 1024 * 1024 {
+                    return Err(Invalid::new("payload --memory", "must be at least 1MiB"));
+                }
+                spec.memory = Some(b);
+            }
+            "--cpus" => {
+                let c: f64 = value
+                    .parse()
+                    .ok()
+                    .filter(|c: &f64| *c > 0.0 && *c <= 1024.0)
+                    .ok_or_else(|| {
+                        Invalid::new(
+                            "payload --cpus",
+                            format!("`{value}` is not a number of cores"),
+                        )
+                    })?;
+                spec.cpus = Some(c);
+            }
+            _ => unreachable!(),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -39,17 +39,69 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use reqwest::redirect;
 use tokio::time::{sleep_until, Instant};
 
-use super::{timeout_reason, Outcome, RunContext};
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::{fields_schema_of, timeout_reason, Fields, Outcome, RunContext, Runner};
 use crate::output::{OutputSink, StreamKind};
-use crate::protocol::{HttpSpec, Status, TaskKind};
+use crate::protocol::{truncate_for_error, Invalid, Status, Task};
+
+/// HTTP success range: `[200, 299]`, `"200-299"` or a single status.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum SuccessValue {
+    /// One status.
+    One(u16),
+    /// Low and high, inclusive.
+    Range([u16; 2]),
+    /// `"200-299"` or `"204"`.
+    Text(String),
+}
+
+/// The fields of an `http` task.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(title = "http")]
+struct HttpFields {
+    /// http: the URL.
+    url: Option<String>,
+    /// Seed short form: shell → the script, http → the URL, container →
+    /// docker-run options.
+    payload: Option<String>,
+    /// http: the method (GET).
+    method: Option<String>,
+    /// http: request headers.
+    headers: Option<BTreeMap<String, String>>,
+    /// http: request body.
+    body: Option<String>,
+    /// http: statuses that count as success (default 200–299).
+    success: Option<SuccessValue>,
+}
+
+/// A validated http task.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HttpSpec {
+    /// The URL (http or https).
+    pub url: String,
+    /// The method, upper case.
+    pub method: String,
+    /// Request headers.
+    pub headers: BTreeMap<String, String>,
+    /// Request body.
+    pub body: Option<String>,
+    /// Inclusive range of statuses counted as success.
+    pub success: (u16, u16),
+}
 
 /// Redirects followed before the request fails (DESIGN.md 3.3).
 pub const MAX_REDIRECTS: usize = 5;
 
 /// Runs `http` tasks with one shared client.
 pub struct HttpRunner {
-    /// Shared by all attempts: connection pool, TLS sessions, resolver.
-    client: reqwest::Client,
+    /// Shared by all attempts: connection pool, TLS sessions, resolver
+    /// (`None`: validation only).
+    client: Option<reqwest::Client>,
     /// Whether the SSRF guard is on (worker setting `deny_private_http`).
     deny_private: bool,
 }
@@ -86,18 +138,41 @@ impl HttpRunner {
             .build()
             .map_err(|e| anyhow::anyhow!("cannot build the HTTP client: {}", cause_chain(&e)))?;
         Ok(HttpRunner {
-            client,
+            client: Some(client),
             deny_private,
         })
     }
 
+    /// Validation only (the CLI): running fails.
+    pub(crate) fn validator() -> Self {
+        HttpRunner {
+            client: None,
+            deny_private: false,
+        }
+    }
+}
+
+impl Runner for HttpRunner {
+    type Spec = HttpSpec;
+
+    fn name(&self) -> &str {
+        "http"
+    }
+
+    fn fields_schema(&self) -> serde_json::Value {
+        fields_schema_of::<HttpFields>()
+    }
+
+    fn validate(&self, fields: &Fields, _task: &Task) -> Result<HttpSpec, Invalid> {
+        validate(fields.parse()?)
+    }
+
     /// Run one attempt; every failure is an outcome.
-    pub async fn run(&self, ctx: RunContext) -> Outcome {
-        let spec = match &ctx.task.kind {
-            TaskKind::Http(spec) => spec,
-            _ => return Outcome::failed("internal error: not an http task"),
+    async fn run(&self, spec: &HttpSpec, ctx: RunContext) -> Outcome {
+        let Some(client) = &self.client else {
+            return Outcome::failed("internal error: a validation-only runner cannot run tasks");
         };
-        let request = match self.build_request(spec, &ctx) {
+        let request = match self.build_request(client, spec, &ctx) {
             Ok(r) => r,
             Err(reason) => return Outcome::failed(reason),
         };
@@ -105,7 +180,7 @@ impl HttpRunner {
         let deadline = Instant::now() + ctx.timeout;
         let mut sink = OutputSink::new(ctx.output_cap, ctx.live.clone(), ctx.attempt);
         let mut http_status: Option<u16> = None;
-        let exchange = exchange(&self.client, request, spec, &mut sink, &mut http_status);
+        let exchange = exchange(client, request, spec, &mut sink, &mut http_status);
         let (status, error) = tokio::select! {
             r = exchange => match r {
                 Ok(()) => (Status::Success, None),
@@ -124,9 +199,16 @@ impl HttpRunner {
             error,
         }
     }
+}
 
+impl HttpRunner {
     /// The request for one attempt, or why it cannot be sent.
-    fn build_request(&self, spec: &HttpSpec, ctx: &RunContext) -> Result<reqwest::Request, String> {
+    fn build_request(
+        &self,
+        client: &reqwest::Client,
+        spec: &HttpSpec,
+        ctx: &RunContext,
+    ) -> Result<reqwest::Request, String> {
         let url = reqwest::Url::parse(&spec.url).map_err(|e| format!("invalid URL: {e}"))?;
         if self.deny_private {
             if let Some(reason) = denied_literal(&url) {
@@ -167,7 +249,7 @@ impl HttpRunner {
                 .map_err(|_| format!("`{name}` value `{value}` is not a valid header value"))?;
             headers.insert(HeaderName::from_static(name), value);
         }
-        let mut builder = self.client.request(method, url).headers(headers);
+        let mut builder = client.request(method, url).headers(headers);
         if let Some(body) = &spec.body {
             builder = builder.body(body.clone());
         }
@@ -355,6 +437,90 @@ fn denied_v6(ip: Ipv6Addr) -> Option<&'static str> {
         0x2001 if s[1] == 0x0db8 => "documentation",
         0x0100 if s[1..4] == [0, 0, 0] => "discard-only",
         _ => return None,
+    })
+}
+
+/// Check an http task's fields (DESIGN.md 3.3).
+fn validate(m: HttpFields) -> Result<HttpSpec, Invalid> {
+    let (url, field) = match (&m.url, &m.payload) {
+        (Some(_), Some(_)) => {
+            return Err(Invalid::new(
+                "payload",
+                "give either `url` or `payload`, not both",
+            ))
+        }
+        (Some(u), None) => (u.trim().to_string(), "url"),
+        (None, Some(p)) => (p.trim().to_string(), "payload"),
+        (None, None) => return Err(Invalid::new("url", "missing (or give `payload`)")),
+    };
+    let parsed = reqwest::Url::parse(&url).map_err(|e| {
+        Invalid::new(
+            field,
+            format!("`{}` is not a URL: {e}", truncate_for_error(&url)),
+        )
+    })?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err(Invalid::new(field, "only http and https URLs are allowed"));
+    }
+    let method = m
+        .method
+        .clone()
+        .unwrap_or_else(|| "GET".into())
+        .to_ascii_uppercase();
+    if reqwest::Method::from_bytes(method.as_bytes()).is_err() {
+        return Err(Invalid::new(
+            "method",
+            format!("`{method}` is not an HTTP method"),
+        ));
+    }
+    let headers = m.headers.clone().unwrap_or_default();
+    for (k, v) in &headers {
+        if reqwest::header::HeaderName::from_bytes(k.as_bytes()).is_err() {
+            return Err(Invalid::new(
+                format!("headers.{k}"),
+                "not a valid header name",
+            ));
+        }
+        if reqwest::header::HeaderValue::from_str(v).is_err() {
+            return Err(Invalid::new(
+                format!("headers.{k}"),
+                "not a valid header value",
+            ));
+        }
+    }
+    let success = match &m.success {
+        None => (200, 299),
+        Some(SuccessValue::One(s)) => (*s, *s),
+        Some(SuccessValue::Range([a, b])) => (*a, *b),
+        Some(SuccessValue::Text(t)) => {
+            let (a, b) = t.split_once('-').unwrap_or((t, t));
+            let p = |s: &str| s.trim().parse::<u16>().ok();
+            match (p(a), p(b)) {
+                (Some(a), Some(b)) => (a, b),
+                _ => {
+                    return Err(Invalid::new(
+                        "success",
+                        format!("`{t}` is not a status range like \"200-299\""),
+                    ))
+                }
+            }
+        }
+    };
+    if !(100..=599).contains(&success.0)
+        || !(100..=599).contains(&success.1)
+        || success.0 > success.1
+    {
+        return Err(Invalid::new(
+            "success",
+            "must be a status range within 100-599, low to high",
+        ));
+    }
+    Ok(HttpSpec {
+        url,
+        method,
+        headers,
+        body: m.body.clone(),
+        success,
     })
 }
 

@@ -1,25 +1,160 @@
-//! Task runners: one per task type. The worker builds a [`RunContext`]
-//! (effective timeout, output cap, environment, stop signal) and calls
-//! [`Runners::run`]; each runner returns an [`Outcome`] and never panics or
-//! errors out: every failure is an outcome with a reason.
+//! Task types: the [`Runner`] trait, one runner per type, and the
+//! [`Registry`] that holds them by name.
+//!
+//! A runner names its type, declares and validates its own fields (into
+//! its own spec, before anything runs) and runs one attempt with a
+//! [`RunContext`] (effective timeout, output cap, environment, stop
+//! signal), returning an [`Outcome`]: it never panics or errors out, every
+//! failure is an outcome with a reason. The built-in types (`shell`,
+//! `command`, `http`, `container`) are runners like any other; so are the
+//! types defined in the worker's config ([`defined`]) and async Rust
+//! functions ([`in_process`]).
 //!
 //! Runners enforce the timeout and the stop signal themselves, because how
-//! to stop differs (a process group, a container); the process and
+//! to stop differs (a process group, a container, a future); the process and
 //! container runners share one clock for it ([`supervise`]).
 
 pub mod command;
 pub mod container;
+pub mod defined;
 pub mod http;
+pub mod in_process;
+mod registry;
+pub mod shell;
 mod supervise;
 
+pub(crate) use registry::{check_type_name, AnySpec};
+pub use registry::{fields_schema_of, Registry};
+
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
 use crate::output::{Captured, LiveOutput};
-use crate::protocol::{Status, Task, TaskKind, TaskType};
+use crate::protocol::{Invalid, Status, Task};
+
+/// A task type: validates its own fields and runs attempts.
+///
+/// ```ignore
+/// struct Echo;
+/// impl Runner for Echo {
+///     type Spec = String;
+///     fn name(&self) -> &str { "echo" }
+///     fn fields_schema(&self) -> serde_json::Value { fields_schema_of::<EchoFields>() }
+///     fn validate(&self, f: &Fields, _t: &Task) -> Result<String, Invalid> {
+///         Ok(f.parse::<EchoFields>()?.text)
+///     }
+///     async fn run(&self, text: &String, ctx: RunContext) -> Outcome {
+///         Outcome::success(text.clone())
+///     }
+/// }
+/// ```
+pub trait Runner: Send + Sync + 'static {
+    /// What validation makes of a task's fields; what [`Runner::run`] gets.
+    type Spec: Send + Sync + 'static;
+
+    /// The name tasks give in `type` (`[a-z][a-z0-9_-]{0,63}`).
+    fn name(&self) -> &str;
+
+    /// The JSON Schema of the type's own fields: an object schema whose
+    /// `properties` name every field the type takes (usually
+    /// [`fields_schema_of`] of a `#[derive(JsonSchema)]` struct). Fields
+    /// not named here are refused before [`Runner::validate`] is called.
+    fn fields_schema(&self) -> serde_json::Value;
+
+    /// Check the type's fields (and whatever of the envelope matters, such
+    /// as `task.env` or `task.limits`) and build the spec. An error names
+    /// the field; the task becomes `rejected` without running.
+    fn validate(&self, fields: &Fields, task: &Task) -> Result<Self::Spec, Invalid>;
+
+    /// Run one attempt. Honour `ctx.timeout` and `ctx.stop` (or use a
+    /// runner that does, such as [`in_process`]); write output to an
+    /// [`crate::output::OutputSink`] made from the context.
+    fn run(&self, spec: &Self::Spec, ctx: RunContext) -> impl Future<Output = Outcome> + Send;
+
+    /// Whether the type can run on this machine now (container: a Docker
+    /// Engine answers). Types that cannot are not advertised in
+    /// heartbeats unless the worker's `types` names them.
+    fn available(&self) -> impl Future<Output = bool> + Send {
+        async { true }
+    }
+}
+
+/// Run one attempt of `ctx.task` with `runner` directly (the registry
+/// does this for the worker; tests and tools may too). The task must have
+/// been validated by a runner with the same spec type; otherwise the
+/// attempt fails saying so.
+pub async fn run_attempt<R: Runner>(runner: &R, ctx: RunContext) -> Outcome {
+    let spec = ctx
+        .task
+        .spec
+        .0
+        .clone()
+        .and_then(|s| s.downcast::<R::Spec>().ok());
+    match spec {
+        Some(spec) => runner.run(&spec, ctx).await,
+        None => Outcome::failed(format!(
+            "internal error: the task was not validated by the {} runner",
+            runner.name()
+        )),
+    }
+}
+
+/// A shared runner is a runner (the worker keeps a handle on some).
+impl<R: Runner> Runner for Arc<R> {
+    type Spec = R::Spec;
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+    fn fields_schema(&self) -> serde_json::Value {
+        (**self).fields_schema()
+    }
+    fn validate(&self, fields: &Fields, task: &Task) -> Result<Self::Spec, Invalid> {
+        (**self).validate(fields, task)
+    }
+    fn run(&self, spec: &Self::Spec, ctx: RunContext) -> impl Future<Output = Outcome> + Send {
+        (**self).run(spec, ctx)
+    }
+    fn available(&self) -> impl Future<Output = bool> + Send {
+        (**self).available()
+    }
+}
+
+/// A task's own fields: everything in the message besides the envelope
+/// (DESIGN.md section 3), as given.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Fields(pub(crate) serde_json::Map<String, serde_json::Value>);
+
+impl Fields {
+    /// A field's value, if given.
+    pub fn get(&self, name: &str) -> Option<&serde_json::Value> {
+        self.0.get(name)
+    }
+
+    /// The names given.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.0.keys().map(String::as_str)
+    }
+
+    /// Deserialize the fields into a struct; a field of the wrong type is
+    /// an error naming it (`args[1]`).
+    pub fn parse<T: DeserializeOwned>(&self) -> Result<T, Invalid> {
+        serde_path_to_error::deserialize(serde_json::Value::Object(self.0.clone())).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner().to_string();
+            let field = if path == "." {
+                "(message)".to_string()
+            } else {
+                path
+            };
+            Invalid::new(field, inner)
+        })
+    }
+}
 
 /// Why an attempt is being stopped; decides what the worker does with the
 /// message afterwards.
@@ -76,7 +211,8 @@ pub fn timeout_reason(timeout: Duration) -> String {
     format!("timed out after {}", humantime::format_duration(timeout))
 }
 
-/// Everything a runner needs besides the task itself.
+/// Everything a runner needs besides the task itself. Built with
+/// [`RunContext::new`] (the worker and tests alike), then adjusted.
 #[derive(Clone)]
 pub struct RunContext {
     pub task: Arc<Task>,
@@ -98,6 +234,34 @@ pub struct RunContext {
     pub live: Option<LiveOutput>,
 }
 
+impl RunContext {
+    /// The context of attempt `attempt` of `task`: the task's timeout (else
+    /// `default_timeout`), its output limit within `output_cap`, the
+    /// reserved variables and the task's `env`, a fresh stop signal and no
+    /// live output.
+    pub fn new(
+        task: Arc<Task>,
+        attempt: u32,
+        worker_id: &str,
+        default_timeout: Duration,
+        kill_grace: Duration,
+        output_cap: u64,
+    ) -> Self {
+        let output_cap = task.limits.output.map_or(output_cap, |o| o.min(output_cap));
+        RunContext {
+            timeout: task.timeout.unwrap_or(default_timeout),
+            env: task_env(&task, attempt),
+            task,
+            attempt,
+            worker_id: worker_id.to_string(),
+            kill_grace,
+            output_cap,
+            stop: Stop::new(),
+            live: None,
+        }
+    }
+}
+
 /// What an attempt came to.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
@@ -114,6 +278,19 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// A success with this output.
+    pub fn success(output: Captured) -> Self {
+        Outcome {
+            status: Status::Success,
+            exit_code: None,
+            signal: None,
+            http_status: None,
+            output,
+            error: None,
+            permanent: false,
+        }
+    }
+
     /// A failure before anything ran (spawn error, docker unreachable).
     pub fn failed(error: impl Into<String>) -> Self {
         Outcome {
@@ -136,30 +313,26 @@ impl Outcome {
     }
 }
 
-/// The runners of one worker, built once at start-up.
-pub struct Runners {
-    pub process: command::ProcessRunner,
-    pub http: http::HttpRunner,
-    pub container: container::ContainerRunner,
-}
-
-impl Runners {
-    /// Run one attempt.
-    pub async fn run(&self, ctx: RunContext) -> Outcome {
-        match &ctx.task.kind {
-            TaskKind::Shell { .. } | TaskKind::Command { .. } => self.process.run(ctx).await,
-            TaskKind::Http(_) => self.http.run(ctx).await,
-            TaskKind::Container(_) => self.container.run(ctx).await,
-        }
+/// The reserved variables (DESIGN.md section 3), then the task's `env`
+/// (which validation keeps from overriding them).
+fn task_env(task: &Task, attempt: u32) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    env.insert("IDEMPOTENCY_KEY".to_string(), task.idempotency_key.clone());
+    env.insert("SCHEDULE_INSTANCE_ID".to_string(), task.id.clone());
+    env.insert("ATTEMPT".to_string(), attempt.to_string());
+    if let Some(s) = task.shard {
+        env.insert("SHARD_NO".to_string(), s.no.to_string());
+        env.insert("SHARD_TOTAL".to_string(), s.total.to_string());
     }
-
-    /// Types that can run on this machine (container needs a reachable
-    /// Docker Engine).
-    pub async fn available(&self) -> Vec<TaskType> {
-        let mut v = vec![TaskType::Shell, TaskType::Command, TaskType::Http];
-        if self.container.available().await {
-            v.push(TaskType::Container);
-        }
-        v
+    if let Some(p) = &task.parent {
+        env.insert("PARENT_ID".to_string(), p.clone());
     }
+    if let Some(s) = &task.join_summary {
+        let json = serde_json::to_string(s).expect("a summary serializes");
+        env.insert("JOIN_SUMMARY".to_string(), json);
+    }
+    for (k, v) in &task.env {
+        env.insert(k.clone(), v.clone());
+    }
+    env
 }

@@ -182,7 +182,7 @@ pub(crate) async fn submit(State(app): State<Arc<App>>, Action(b): Action<Submit
     };
     let id = msg.id.clone().unwrap_or_else(random_id);
     msg.id = Some(id.clone());
-    let bytes = match validate_locally(&b.label, &msg, Origin::Direct { msg_id: &id }) {
+    let bytes = match validate_locally(&b.label, &msg, Origin::Direct { msg_id: &id }, &[]) {
         Ok((bytes, _)) => bytes,
         Err(e) => return failed(StatusCode::BAD_REQUEST, format!("{e:#}")),
     };

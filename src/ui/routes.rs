@@ -206,5 +206,5 @@ async fn schedules(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn schema() -> Response {
-    Json(crate::commands::schema::task_schema()).into_response()
+    Json(crate::commands::schema::task_schema(&[])).into_response()
 }

@@ -116,7 +116,7 @@ async fn not_queued(sh: &Shared, c: &Child, why: &str) {
     let mut r = TaskResult::blank(
         &c.id,
         &c.label,
-        c.message.task_type,
+        c.message.task_type.clone(),
         Status::Dead,
         0,
         DEFAULT_MAX_ATTEMPTS,

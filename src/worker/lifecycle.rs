@@ -50,8 +50,8 @@ use super::records::{self, Last};
 use super::Shared;
 use crate::output::LiveOutput;
 use crate::protocol::{
-    self, best_effort_id, Envelope, Status, Task, TaskResult, TaskType, DEFAULT_MAX_ATTEMPTS,
-    HEADER_LABEL, HEADER_REASON, HEADER_SCHEDULER, HEADER_STATUS, HEADER_TASK_ID, HEADER_TRUNCATED,
+    self, best_effort_id, Envelope, Status, Task, TaskResult, DEFAULT_MAX_ATTEMPTS, HEADER_LABEL,
+    HEADER_REASON, HEADER_SCHEDULER, HEADER_STATUS, HEADER_TASK_ID, HEADER_TRUNCATED,
 };
 use crate::runner::{Outcome, RunContext, Stop, StopKind};
 
@@ -155,7 +155,7 @@ async fn lifecycle(
         attempt = tracing::field::Empty);
     async move {
         // 2. A type this worker runs?
-        if !sh.types.contains(&task.task_type()) {
+        if !task.runnable() || !sh.types.iter().any(|t| t == task.task_type()) {
             return settle(sh, &task, other_type(sh, msg, d, &task).await).await;
         }
 
@@ -203,14 +203,12 @@ async fn other_type(sh: &Shared, msg: &jetstream::Message, d: &Delivery, task: &
         return Answer::Redeliver(OTHER_TYPE_RETRY);
     }
     let started = Utc::now();
+    let known = sh.known_types();
     let error = format!(
-        "no online worker on label {} runs type {ty} (this one runs {})",
+        "no online worker on label {} runs type {ty}{} (this one runs {})",
         task.label,
-        sh.types
-            .iter()
-            .map(|t| t.as_str())
-            .collect::<Vec<_>>()
-            .join(",")
+        crate::suggest::hint(ty, known.iter().map(String::as_str)),
+        sh.types.join(",")
     );
     warn!("{error}; dead-lettering");
     let written = write_after(sh, msg, d, &task.id, false, |prev| {
@@ -416,7 +414,7 @@ fn settled_without_run(sh: &Shared, r: &TaskResult) {
 /// Count a final status this worker stored (metrics
 /// `tasks_finished_total{label, type, status}`).
 fn finished(sh: &Shared, r: &TaskResult) {
-    let ty = r.task_type.map_or("unknown", |t| t.as_str());
+    let ty = r.task_type.as_deref().unwrap_or("unknown");
     sh.metrics.finished(&r.label, ty, r.status.as_str());
 }
 
@@ -451,7 +449,7 @@ fn base_result(
     let mut r = TaskResult::blank(
         &task.id,
         &task.label,
-        Some(task.task_type()),
+        Some(task.task_type.clone()),
         status,
         attempt,
         task.retry.max_attempts,
@@ -475,31 +473,25 @@ async fn run(
     stop: Stop,
 ) -> (TaskResult, Answer) {
     let started = Utc::now();
-    let timeout = task.timeout.unwrap_or(sh.cfg.default_timeout);
-    let cap = task
-        .limits
-        .output
-        .map(|o| o.min(sh.output_cap))
-        .unwrap_or(sh.output_cap);
     let live = LiveOutput::new(sh.live_client.clone(), sh.names.logs_subject(&task.id));
-    let ctx = RunContext {
-        task: task.clone(),
+    let mut ctx = RunContext::new(
+        task.clone(),
         attempt,
-        worker_id: sh.id.clone(),
-        timeout,
-        kill_grace: sh.cfg.kill_grace,
-        output_cap: cap,
-        env: super::task_env(task, attempt),
-        stop: stop.clone(),
-        live: Some(live.clone()),
-    };
+        &sh.id,
+        sh.cfg.default_timeout,
+        sh.cfg.kill_grace,
+        sh.output_cap,
+    );
+    ctx.stop = stop.clone();
+    ctx.live = Some(live.clone());
+    let timeout = ctx.timeout;
     debug!(?timeout, "running");
     let t0 = Instant::now();
     let outcome = keep_lease(sh, msg, d.received, &stop, sh.runners.run(ctx)).await;
     let elapsed = t0.elapsed();
     sh.metrics.attempt(
         &task.label,
-        task.task_type().as_str(),
+        task.task_type(),
         outcome.status.as_str(),
         elapsed.as_secs_f64(),
     );
@@ -839,7 +831,8 @@ async fn reject(
         .and_then(|v| {
             v.get("type")
                 .and_then(|t| t.as_str())
-                .and_then(|t| t.parse::<TaskType>().ok())
+                .filter(|t| crate::runner::check_type_name(t).is_ok())
+                .map(str::to_string)
         });
     let mut r = TaskResult::blank(
         &id,

@@ -43,8 +43,8 @@ use tracing::{debug, error, info, warn, Instrument};
 
 use crate::config::{ConfigError, WorkerConfig};
 use crate::metrics::Metrics;
-use crate::protocol::{Heartbeat, Names, Task, TaskType, ValidationLimits};
-use crate::runner::{self, Runners, StopKind};
+use crate::protocol::{Heartbeat, Names, ValidationLimits};
+use crate::runner::{self, Registry, Runner, StopKind};
 use crate::setup::{self, Infra, SetupOptions};
 
 /// How long one pull request waits at the server for messages.
@@ -68,9 +68,12 @@ pub struct Shared {
     pub js: jetstream::Context,
     pub names: Names,
     pub infra: Infra,
-    pub runners: Runners,
+    /// Every type this worker knows (validation, running).
+    pub runners: Registry,
+    /// The processes of shell, command and config-defined tasks.
+    process: Arc<runner::command::ProcessRunner>,
     /// Types this worker runs (configured ∩ available).
-    pub types: Vec<TaskType>,
+    pub types: Vec<String>,
     pub validation: ValidationLimits,
     /// Output cap after clamping to the server's max_payload.
     pub output_cap: u64,
@@ -141,10 +144,24 @@ impl Shared {
     }
 
     /// Whether another online worker serves `label` and runs `ty`.
-    fn type_served(&self, label: &str, ty: TaskType) -> bool {
+    fn type_served(&self, label: &str, ty: &str) -> bool {
         self.workers.lock().unwrap().values().any(|h| {
-            h.id != self.id && h.labels.iter().any(|l| l == label) && h.types.contains(&ty)
+            h.id != self.id
+                && h.labels.iter().any(|l| l == label)
+                && h.types.iter().any(|t| t == ty)
         })
+    }
+
+    /// Every type name this worker or an online one runs (for "did you
+    /// mean").
+    fn known_types(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.runners.names().iter().map(|s| s.to_string()).collect();
+        for h in self.workers.lock().unwrap().values() {
+            v.extend(h.types.iter().cloned());
+        }
+        v.sort();
+        v.dedup();
+        v
     }
 
     /// Create the streams and buckets again if one was deleted under us.
@@ -183,30 +200,6 @@ fn setup_options(cfg: &WorkerConfig) -> SetupOptions {
     }
 }
 
-/// The reserved variables, then the task's `env` (which validation keeps
-/// from overriding them).
-fn task_env(task: &Task, attempt: u32) -> BTreeMap<String, String> {
-    let mut env = BTreeMap::new();
-    env.insert("IDEMPOTENCY_KEY".to_string(), task.idempotency_key.clone());
-    env.insert("SCHEDULE_INSTANCE_ID".to_string(), task.id.clone());
-    env.insert("ATTEMPT".to_string(), attempt.to_string());
-    if let Some(s) = task.shard {
-        env.insert("SHARD_NO".to_string(), s.no.to_string());
-        env.insert("SHARD_TOTAL".to_string(), s.total.to_string());
-    }
-    if let Some(p) = &task.parent {
-        env.insert("PARENT_ID".to_string(), p.clone());
-    }
-    if let Some(s) = &task.join_summary {
-        let json = serde_json::to_string(s).expect("a summary serializes");
-        env.insert("JOIN_SUMMARY".to_string(), json);
-    }
-    for (k, v) in &task.env {
-        env.insert(k.clone(), v.clone());
-    }
-    env
-}
-
 /// Wait for SIGTERM or SIGINT.
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
@@ -223,25 +216,91 @@ fn random_suffix() -> String {
     format!("{n:08x}")
 }
 
-/// Run a worker until `shutdown` fires, then drain and return.
+/// Run a worker with the built-in types and those defined in its config
+/// until `shutdown` fires, then drain and return ([`Worker::builder`] adds
+/// types of your own).
 ///
 /// Errors: a [`ConfigError`] for what no restart can fix (settings, an
 /// unreadable credential, a server too old); anything else is worth a
 /// restart. Transient broker trouble at start (JetStream not ready, API
 /// timeouts, no responders) is retried here with backoff, not returned.
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let id = format!("{}-{}", cfg.name, random_suffix());
-    crate::logfmt::set_worker_id(&id);
-    // Every log line of this worker's life carries its id: the span is
-    // entered here and passed on to everything it spawns. Error level:
-    // a span is left out when the log level filters out its own level, and
-    // this one must be there at any level.
-    let span = tracing::error_span!("worker", worker_id = %id);
-    run_as(cfg, shutdown, id).instrument(span).await
+    Worker::builder().config(cfg).run(shutdown).await
+}
+
+/// A worker embedded in a Rust program, with task types of its own.
+///
+/// ```no_run
+/// # async fn f() -> anyhow::Result<()> {
+/// use jetworker::{config::WorkerConfig, Worker};
+/// let cfg = WorkerConfig::from_flags(&[("labels", "images")])?;
+/// let shutdown = tokio_util::sync::CancellationToken::new();
+/// Worker::builder().config(cfg).run(shutdown).await
+/// # }
+/// ```
+pub struct Worker;
+
+impl Worker {
+    /// Start describing a worker.
+    pub fn builder() -> WorkerBuilder {
+        WorkerBuilder::default()
+    }
+}
+
+/// A type to add to the registry once the worker's own are in.
+type AddRunner = Box<dyn FnOnce(&mut Registry) -> Result<(), String> + Send>;
+
+/// Builds and runs a worker: its settings and the types it runs besides
+/// the built-in ones and those of its config.
+#[derive(Default)]
+pub struct WorkerBuilder {
+    cfg: Option<WorkerConfig>,
+    runners: Vec<AddRunner>,
+}
+
+impl WorkerBuilder {
+    /// The worker's settings (default: [`WorkerConfig::from_flags`] with
+    /// none, that is every default).
+    pub fn config(mut self, cfg: WorkerConfig) -> Self {
+        self.cfg = Some(cfg);
+        self
+    }
+
+    /// Add a task type. Its name must not be taken (by a built-in type, a
+    /// type defined in config, or another runner): [`WorkerBuilder::run`]
+    /// fails with a settings error if it is.
+    pub fn runner<R: Runner>(mut self, runner: R) -> Self {
+        self.runners
+            .push(Box::new(move |reg| reg.register(runner).map(|_| ())));
+        self
+    }
+
+    /// Run until `shutdown` fires, then drain and return (see [`run`]).
+    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let cfg = match self.cfg {
+            Some(c) => c,
+            None => WorkerConfig::from_flags(&[])?,
+        };
+        let id = format!("{}-{}", cfg.name, random_suffix());
+        crate::logfmt::set_worker_id(&id);
+        // Every log line of this worker's life carries its id: the span is
+        // entered here and passed on to everything it spawns. Error level:
+        // a span is left out when the log level filters out its own level, and
+        // this one must be there at any level.
+        let span = tracing::error_span!("worker", worker_id = %id);
+        run_as(cfg, self.runners, shutdown, id)
+            .instrument(span)
+            .await
+    }
 }
 
 /// [`run`], inside the worker's span.
-async fn run_as(cfg: WorkerConfig, shutdown: CancellationToken, id: String) -> anyhow::Result<()> {
+async fn run_as(
+    cfg: WorkerConfig,
+    custom: Vec<AddRunner>,
+    shutdown: CancellationToken,
+    id: String,
+) -> anyhow::Result<()> {
     crate::process::protect_secrets();
     let hostname = hostname::get()
         .ok()
@@ -300,19 +359,21 @@ async fn run_as(cfg: WorkerConfig, shutdown: CancellationToken, id: String) -> a
         }
         None => None,
     };
-    let process = runner::command::ProcessRunner::new(
-        cfg.shell.clone(),
-        &cfg.pass_env,
-        task_user,
-        &cfg.state_dir,
-        cfg.cgroups,
-    )
-    .map_err(|e| {
-        ConfigError::new(
-            "state_dir",
-            format!("cannot prepare the working directories: {e}"),
+    let process = Arc::new(
+        runner::command::ProcessRunner::new(
+            cfg.shell.clone(),
+            &cfg.pass_env,
+            task_user,
+            &cfg.state_dir,
+            cfg.cgroups,
         )
-    })?;
+        .map_err(|e| {
+            ConfigError::new(
+                "state_dir",
+                format!("cannot prepare the working directories: {e}"),
+            )
+        })?,
+    );
     let reaped = process.reap_orphans();
     if reaped > 0 {
         warn!(
@@ -327,31 +388,44 @@ async fn run_as(cfg: WorkerConfig, shutdown: CancellationToken, id: String) -> a
             None
         }
     };
-    let runners = Runners {
-        process,
-        http: runner::http::HttpRunner::new(cfg.deny_private_http)?,
-        container: runner::container::ContainerRunner::new(
-            cfg.docker_host.as_deref(),
-            cfg.default_network.clone(),
-            &id,
-            &cfg.name,
-        ),
-    };
+    let container = Arc::new(runner::container::ContainerRunner::new(
+        cfg.docker_host.as_deref(),
+        cfg.default_network.clone(),
+        cfg.allowed_networks.clone(),
+        &id,
+        &cfg.name,
+    ));
+    let runners = registry(&cfg, process.clone(), container.clone(), custom)?;
     let available = runners.available().await;
-    let types: Vec<TaskType> = cfg
-        .types
-        .iter()
-        .copied()
-        .filter(|t| {
-            let ok = available.contains(t) || cfg.types_explicit;
-            if !ok {
-                warn!(r#type = %t, "task type not available on this machine; not advertised");
+    let types: Vec<String> = match &cfg.types {
+        None => available,
+        Some(chosen) => {
+            for t in chosen {
+                if !runners.contains(t) {
+                    return Err(ConfigError::new(
+                        "types",
+                        format!(
+                            "unknown type `{t}`{} (this worker has {})",
+                            crate::suggest::hint(t, runners.names()),
+                            runners.names().join(", ")
+                        ),
+                    )
+                    .into());
+                }
+                if !available.contains(t) {
+                    warn!(r#type = %t, "task type named in `types` is not available on this machine; its tasks will fail until it is");
+                }
             }
-            ok
-        })
-        .collect();
-    if types.contains(&TaskType::Container) {
-        let removed = runners.container.remove_leftovers().await;
+            chosen.clone()
+        }
+    };
+    for t in runners.names() {
+        if !types.iter().any(|x| x == t) && cfg.types.is_none() {
+            warn!(r#type = %t, "task type not available on this machine; not advertised");
+        }
+    }
+    if types.iter().any(|t| t == "container") {
+        let removed = container.remove_leftovers().await;
         if removed > 0 {
             warn!(
                 containers = removed,
@@ -381,7 +455,7 @@ async fn run_as(cfg: WorkerConfig, shutdown: CancellationToken, id: String) -> a
         .map_err(|e| ConfigError::new("state_dir", format!("cannot open the outbox: {e}")))?;
     let validation = ValidationLimits {
         max_task_bytes: cfg.max_task_bytes,
-        allowed_networks: cfg.allowed_networks.clone(),
+        types: runners.clone(),
     };
     let sh = Arc::new(Shared {
         id: id.clone(),
@@ -392,6 +466,7 @@ async fn run_as(cfg: WorkerConfig, shutdown: CancellationToken, id: String) -> a
         names,
         infra,
         runners,
+        process,
         types,
         validation,
         output_cap,
@@ -415,7 +490,7 @@ async fn run_as(cfg: WorkerConfig, shutdown: CancellationToken, id: String) -> a
         cfg,
     });
     info!(labels = ?sh.cfg.labels, slots = sh.cfg.slots,
-        types = ?sh.types.iter().map(|t| t.as_str()).collect::<Vec<_>>(),
+        types = ?sh.types,
         ack_wait = ?sh.ack_wait, "worker started");
 
     let background = CancellationToken::new();
@@ -545,9 +620,39 @@ async fn run_as(cfg: WorkerConfig, shutdown: CancellationToken, id: String) -> a
     let _ = tokio::time::timeout(wait, client.flush()).await;
     let _ = tokio::time::timeout(wait, sh.live_client.flush()).await;
     sh.watchdog.lock().unwrap().take();
-    sh.runners.process.cleanup();
+    sh.process.cleanup();
     info!("worker stopped");
     Ok(())
+}
+
+/// The worker's types: the built-in ones, those defined in its config,
+/// then the embedding program's. A name taken twice is a settings error.
+fn registry(
+    cfg: &WorkerConfig,
+    process: Arc<runner::command::ProcessRunner>,
+    container: Arc<runner::container::ContainerRunner>,
+    custom: Vec<AddRunner>,
+) -> anyhow::Result<Registry> {
+    let mut r = Registry::new();
+    let taken = |e: String| ConfigError::new("types", e);
+    r.register(runner::shell::ShellRunner::new(process.clone()))
+        .map_err(taken)?;
+    r.register(runner::command::CommandRunner::new(process.clone()))
+        .map_err(taken)?;
+    r.register(runner::http::HttpRunner::new(cfg.deny_private_http)?)
+        .map_err(taken)?;
+    r.register(container).map_err(taken)?;
+    for def in &cfg.type_defs {
+        r.register(runner::defined::DefinedRunner::new(
+            def.clone(),
+            process.clone(),
+        ))
+        .map_err(taken)?;
+    }
+    for add in custom {
+        add(&mut r).map_err(taken)?;
+    }
+    Ok(r)
 }
 
 /// What start-up produced.

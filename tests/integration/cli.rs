@@ -11,7 +11,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use bytes::Bytes;
 use chrono::Utc;
-use jetworker::protocol::{Heartbeat, Names, Status, TaskResult, TaskType};
+use jetworker::protocol::{Heartbeat, Names, Status, TaskResult};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -189,7 +189,7 @@ pub fn fake_result(id: &str, label: &str, status: Status, fin: bool, attempt: u3
     TaskResult {
         id: id.into(),
         label: label.into(),
-        task_type: Some(TaskType::Shell),
+        task_type: Some("shell".into()),
         status,
         is_final: fin,
         attempt,
@@ -760,7 +760,7 @@ fn heartbeat(id: &str, tasks: &[&str]) -> Heartbeat {
         pid: 42,
         version: "0.1.0".into(),
         labels: vec!["default".into(), "gpu".into()],
-        types: vec![TaskType::Shell, TaskType::Command],
+        types: vec!["shell".into(), "command".into()],
         slots: 4,
         running: tasks.len(),
         tasks: tasks.iter().map(|s| s.to_string()).collect(),

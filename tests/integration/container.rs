@@ -18,7 +18,7 @@ use jetworker::protocol::{parse_task, Envelope, Status, ValidationLimits};
 use jetworker::runner::container::{ContainerRunner, WorkerIdentity, LABEL_TASK_ID};
 use jetworker::runner::StopKind;
 
-use crate::runner_ctx::{context, task};
+use crate::runner_ctx::{context, task, RunTask};
 use crate::util::wait_for;
 
 /// The image every test runs: busybox and a few applet links. Bump the tag
@@ -121,7 +121,7 @@ async fn build_image(docker: Docker) -> Result<Built, String> {
 
 fn runner() -> ContainerRunner {
     let id = format!("test-{:08x}", rand::random::<u32>());
-    ContainerRunner::new(None, None, &id, "test")
+    ContainerRunner::new(None, None, Vec::new(), &id, "test")
 }
 
 /// A container task running `script` with `sh -c` in the test image.
@@ -163,7 +163,7 @@ async fn container_echo_output() {
     let Some(docker) = setup().await else { return };
     let id = unique("echo");
     let out = runner()
-        .run(context(
+        .run_task(context(
             sh_task(&id, "echo hello; echo oops >&2", ""),
             Duration::from_secs(30),
         ))
@@ -180,7 +180,7 @@ async fn container_nonzero_exit() {
     let Some(docker) = setup().await else { return };
     let id = unique("exit");
     let out = runner()
-        .run(context(
+        .run_task(context(
             sh_task(&id, "echo before; exit 3", ""),
             Duration::from_secs(30),
         ))
@@ -202,7 +202,7 @@ async fn container_env_workdir_user_injection() {
         r#","idempotency_key":"k-9","shard":{"no":2,"total":4},"env":{"FOO":"bar baz"},
            "payload":"-e EXTRA=1 -w /tmp -u 65534""#,
     );
-    let out = runner().run(context(t, Duration::from_secs(30))).await;
+    let out = runner().run_task(context(t, Duration::from_secs(30))).await;
     assert_eq!(out.status, Status::Success, "{out:?}");
     let text = &out.output.text;
     for line in [
@@ -228,7 +228,7 @@ async fn container_network_none() {
     let Some(_docker) = setup().await else { return };
     let id = unique("net");
     let t = sh_task(&id, "ls /sys/class/net", r#","network":"none""#);
-    let out = runner().run(context(t, Duration::from_secs(30))).await;
+    let out = runner().run_task(context(t, Duration::from_secs(30))).await;
     assert_eq!(out.status, Status::Success, "{out:?}");
     assert_eq!(out.output.text.trim(), "lo", "only loopback: {out:?}");
 }
@@ -238,7 +238,7 @@ async fn container_large_output_is_truncated() {
     let Some(_docker) = setup().await else { return };
     let id = unique("big");
     let t = sh_task(&id, "yes | head -c 1000000", "");
-    let out = runner().run(context(t, Duration::from_secs(30))).await;
+    let out = runner().run_task(context(t, Duration::from_secs(30))).await;
     assert_eq!(out.status, Status::Success, "{out:?}");
     assert!(out.output.truncated);
     assert_eq!(out.output.total_bytes, 1_000_000);
@@ -253,7 +253,7 @@ async fn container_timeout_kills_and_removes() {
         r#"{{"type":"container","id":"{id}","image":"{TEST_IMAGE}","pull":"never","args":["sleep","600"]}}"#
     ));
     let started = Instant::now();
-    let out = runner().run(context(t, Duration::from_secs(3))).await;
+    let out = runner().run_task(context(t, Duration::from_secs(3))).await;
     let took = started.elapsed();
     assert_eq!(out.status, Status::Timeout, "{out:?}");
     assert_eq!(out.error.as_deref(), Some("timed out after 3s"));
@@ -269,7 +269,7 @@ async fn container_cancel_stops_and_removes() {
     let ctx = context(t, Duration::from_secs(120));
     let stop = ctx.stop.clone();
     let runner = runner();
-    let run = tokio::spawn(async move { runner.run(ctx).await });
+    let run = tokio::spawn(async move { runner.run_task(ctx).await });
     // Cancel once the container runs.
     wait_for(Duration::from_secs(30), "the container to run", || {
         let docker = docker.clone();
@@ -296,7 +296,7 @@ async fn container_removed_when_the_attempt_is_dropped() {
     let t = sh_task(&id, "sleep 600", "");
     let ctx = context(t, Duration::from_secs(120));
     let runner = runner();
-    let run = tokio::spawn(async move { runner.run(ctx).await });
+    let run = tokio::spawn(async move { runner.run_task(ctx).await });
     wait_for(Duration::from_secs(30), "the container to run", || {
         let docker = docker.clone();
         let id = id.clone();
@@ -329,7 +329,7 @@ async fn container_memory_limit_is_enforced() {
             "args":["dd","if=/dev/zero","of=/dev/null","bs=64M","count=1"],
             "limits":{{"memory":"8MiB"}}}}"#
     ));
-    let out = runner().run(context(t, Duration::from_secs(60))).await;
+    let out = runner().run_task(context(t, Duration::from_secs(60))).await;
     assert_eq!(out.status, Status::Failed, "{out:?}");
     assert_eq!(out.exit_code, Some(137), "SIGKILLed: {out:?}");
     // The engine records the OOM kill from an event of its own, which can
@@ -385,7 +385,7 @@ async fn container_pull_never_with_missing_image() {
     let t = task(&format!(
         r#"{{"type":"container","id":"{id}","image":"jetworker-test-absent:nope","pull":"never"}}"#
     ));
-    let out = runner().run(context(t, Duration::from_secs(30))).await;
+    let out = runner().run_task(context(t, Duration::from_secs(30))).await;
     assert_eq!(out.status, Status::Failed, "{out:?}");
     assert_eq!(
         out.error.as_deref(),
@@ -402,7 +402,7 @@ async fn container_pull_failure_is_reported() {
     let t = task(&format!(
         r#"{{"type":"container","id":"{id}","image":"localhost:1/jetworker/absent:nope"}}"#
     ));
-    let out = runner().run(context(t, Duration::from_secs(30))).await;
+    let out = runner().run_task(context(t, Duration::from_secs(30))).await;
     assert_eq!(out.status, Status::Failed, "{out:?}");
     let err = out.error.unwrap();
     assert!(
@@ -416,14 +416,15 @@ async fn container_unreachable_engine_fails_clearly() {
     let runner = ContainerRunner::new(
         Some("unix:///nonexistent/docker.sock"),
         None,
+        Vec::new(),
         "test-x",
         "test",
     );
-    assert!(!runner.available().await);
+    assert!(!runner.engine_answers().await);
     let t = task(&format!(
         r#"{{"type":"container","image":"{TEST_IMAGE}","pull":"never"}}"#
     ));
-    let out = runner.run(context(t, Duration::from_secs(10))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Failed);
     let err = out.error.unwrap();
     assert!(
@@ -436,10 +437,10 @@ async fn container_unreachable_engine_fails_clearly() {
         l.local_addr().unwrap().port()
     };
     let endpoint = format!("tcp://127.0.0.1:{port}");
-    let runner = ContainerRunner::new(Some(&endpoint), None, "test-x", "test");
-    assert!(!runner.available().await);
+    let runner = ContainerRunner::new(Some(&endpoint), None, Vec::new(), "test-x", "test");
+    assert!(!runner.engine_answers().await);
     let t = task(&format!(r#"{{"type":"container","image":"{TEST_IMAGE}"}}"#));
-    let out = runner.run(context(t, Duration::from_secs(10))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(10))).await;
     let err = out.error.unwrap();
     assert!(
         err.starts_with(&format!("Docker Engine not reachable at {endpoint}: ")),

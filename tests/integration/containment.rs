@@ -15,7 +15,7 @@ use std::time::Duration;
 use jetworker::protocol::Status;
 use jetworker::runner::command::ProcessRunner;
 
-use crate::runner_ctx::{context, task};
+use crate::runner_ctx::{context, task, RunTask};
 use crate::util::*;
 
 const T: Duration = Duration::from_secs(30);
@@ -470,12 +470,12 @@ async fn a_program_that_cannot_start_is_permanent() {
         r#"{"type":"command","command":"no-such-program-jw"}"#,
         r#"{"type":"command","command":"/etc/passwd"}"#,
     ] {
-        let o = runner.run(context(task(json), T)).await;
+        let o = runner.run_task(context(task(json), T)).await;
         assert_eq!(o.status, Status::Failed, "{o:?}");
         assert!(o.permanent, "{json}: {o:?}");
     }
     let o = runner
-        .run(context(task(r#"{"type":"command","command":"false"}"#), T))
+        .run_task(context(task(r#"{"type":"command","command":"false"}"#), T))
         .await;
     assert!(!o.permanent, "an exit code is not permanent: {o:?}");
     runner.cleanup();

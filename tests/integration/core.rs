@@ -60,7 +60,7 @@ async fn every_validation_error_class_is_rejected_and_dead_lettered() {
         ("nonobject", "[1,2,3]".into(), "JSON object"),
         (
             "unknowntype",
-            r#"{"id":"unknowntype","type":"ftp","payload":"x"}"#.into(),
+            r#"{"id":"unknowntype","type":"FTP!","payload":"x"}"#.into(),
             "type",
         ),
         (

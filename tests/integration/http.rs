@@ -17,7 +17,7 @@ use jetworker::protocol::Status;
 use jetworker::runner::http::HttpRunner;
 use jetworker::runner::StopKind;
 
-use crate::runner_ctx::{context, task, TEST_OUTPUT_CAP};
+use crate::runner_ctx::{context, task, RunTask, TEST_OUTPUT_CAP};
 
 /// Size of the large body (10 MiB).
 const BIG: usize = 10 * 1024 * 1024;
@@ -142,7 +142,7 @@ async fn http_get_success() {
     let srv = serve().await;
     let runner = HttpRunner::new(false).unwrap();
     let t = http_task(&format!(r#""payload":"{}/ok""#, srv.base));
-    let out = runner.run(context(t, Duration::from_secs(10))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Success, "{out:?}");
     assert_eq!(out.http_status, Some(200));
     assert_eq!(out.output.text, "hello");
@@ -155,7 +155,7 @@ async fn http_404_is_failed() {
     let srv = serve().await;
     let runner = HttpRunner::new(false).unwrap();
     let t = http_task(&format!(r#""url":"{}/status/404""#, srv.base));
-    let out = runner.run(context(t, Duration::from_secs(10))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Failed, "{out:?}");
     assert_eq!(out.http_status, Some(404));
     assert_eq!(out.error.as_deref(), Some("HTTP 404 Not Found"));
@@ -170,10 +170,10 @@ async fn http_success_range_is_the_tasks() {
         r#""url":"{}/status/404","success":"404-404""#,
         srv.base
     ));
-    let out = runner.run(context(t, Duration::from_secs(10))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Success, "{out:?}");
     let t = http_task(&format!(r#""url":"{}/ok","success":[201,204]"#, srv.base));
-    let out = runner.run(context(t, Duration::from_secs(10))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Failed, "{out:?}");
     assert_eq!(out.error.as_deref(), Some("HTTP 200 OK"));
 }
@@ -188,7 +188,7 @@ async fn http_sends_method_body_and_task_headers() {
            "idempotency_key":"key-1","shard":{{"no":1,"total":3}}"#,
         srv.base
     ));
-    let out = runner.run(context(t, Duration::from_secs(10))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Success, "{out:?}");
     let text = &out.output.text;
     assert!(text.starts_with("POST\n"), "{text}");
@@ -214,7 +214,7 @@ async fn http_idempotency_key_defaults_to_the_id_and_no_shard_headers() {
     let srv = serve().await;
     let runner = HttpRunner::new(false).unwrap();
     let t = http_task(&format!(r#""id":"plain-1","url":"{}/echo""#, srv.base));
-    let out = runner.run(context(t, Duration::from_secs(10))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(10))).await;
     let text = &out.output.text;
     assert!(text.contains("\nx-idempotency-key: plain-1\n"), "{text}");
     assert!(!text.contains("x-shard"), "{text}");
@@ -226,7 +226,7 @@ async fn http_slow_endpoint_times_out() {
     let runner = HttpRunner::new(false).unwrap();
     let t = http_task(&format!(r#""url":"{}/slow""#, srv.base));
     let started = Instant::now();
-    let out = runner.run(context(t, Duration::from_secs(1))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(1))).await;
     assert_eq!(out.status, Status::Timeout, "{out:?}");
     assert_eq!(out.error.as_deref(), Some("timed out after 1s"));
     assert!(started.elapsed() < Duration::from_secs(5));
@@ -245,7 +245,7 @@ async fn http_stop_cancels_the_request() {
         stop.fire(StopKind::Cancelled, "cancelled by test");
     });
     let started = Instant::now();
-    let out = runner.run(ctx).await;
+    let out = runner.run_task(ctx).await;
     assert_eq!(out.status, Status::Cancelled, "{out:?}");
     assert_eq!(out.error.as_deref(), Some("cancelled by test"));
     assert!(started.elapsed() < Duration::from_secs(10));
@@ -256,7 +256,7 @@ async fn http_large_body_is_truncated_and_counted() {
     let srv = serve().await;
     let runner = HttpRunner::new(false).unwrap();
     let t = http_task(&format!(r#""url":"{}/big""#, srv.base));
-    let out = runner.run(context(t, Duration::from_secs(60))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(60))).await;
     assert_eq!(out.status, Status::Success, "{out:?}");
     assert!(out.output.truncated);
     assert_eq!(out.output.total_bytes, BIG as u64);
@@ -308,7 +308,7 @@ async fn http_memory_probe() {
     let runner = HttpRunner::new(false).unwrap();
     let run = || {
         let t = http_task(&format!(r#""url":"{}/big""#, srv.base));
-        runner.run(context(t, Duration::from_secs(60)))
+        runner.run_task(context(t, Duration::from_secs(60)))
     };
     // Warm up allocator arenas, connection and buffers first.
     assert_eq!(run().await.output.total_bytes, BIG as u64);
@@ -344,12 +344,12 @@ async fn http_follows_five_redirects_and_no_more() {
     let runner = HttpRunner::new(false).unwrap();
     // /hop/4 → … → /hop/0 → /ok: five redirects.
     let t = http_task(&format!(r#""url":"{}/hop/4""#, srv.base));
-    let out = runner.run(context(t, Duration::from_secs(10))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Success, "{out:?}");
     assert_eq!(out.output.text, "hello");
     // Six redirects: refused.
     let t = http_task(&format!(r#""url":"{}/hop/5""#, srv.base));
-    let out = runner.run(context(t, Duration::from_secs(10))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Failed, "{out:?}");
     assert!(
         out.error
@@ -365,7 +365,7 @@ async fn http_redirect_loop_is_bounded() {
     let srv = serve().await;
     let runner = HttpRunner::new(false).unwrap();
     let t = http_task(&format!(r#""url":"{}/loop""#, srv.base));
-    let out = runner.run(context(t, Duration::from_secs(10))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Failed, "{out:?}");
     assert!(
         out.error
@@ -386,7 +386,7 @@ async fn http_connection_refused_names_the_cause() {
     };
     let runner = HttpRunner::new(false).unwrap();
     let t = http_task(&format!(r#""url":"http://127.0.0.1:{port}/x""#));
-    let out = runner.run(context(t, Duration::from_secs(10))).await;
+    let out = runner.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Failed, "{out:?}");
     assert_eq!(out.http_status, None);
     let err = out.error.unwrap();
@@ -399,7 +399,7 @@ async fn http_ssrf_guard_refuses_loopback_literal_and_name() {
     let srv = serve().await;
     let guarded = HttpRunner::new(true).unwrap();
     let t = http_task(&format!(r#""url":"{}/ok""#, srv.base));
-    let out = guarded.run(context(t, Duration::from_secs(10))).await;
+    let out = guarded.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Failed, "{out:?}");
     let err = out.error.unwrap();
     assert!(err.contains("127.0.0.1 (loopback address)"), "{err}");
@@ -407,7 +407,7 @@ async fn http_ssrf_guard_refuses_loopback_literal_and_name() {
 
     // A name that resolves to loopback is refused after resolution.
     let t = http_task(&format!(r#""url":"http://localhost:{}/ok""#, srv.port));
-    let out = guarded.run(context(t, Duration::from_secs(10))).await;
+    let out = guarded.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Failed, "{out:?}");
     let err = out.error.unwrap();
     assert!(err.contains("localhost = "), "{err}");
@@ -416,7 +416,7 @@ async fn http_ssrf_guard_refuses_loopback_literal_and_name() {
     // IPv6 loopback and an IPv4-mapped form.
     for url in ["http://[::1]:1/", "http://[::ffff:127.0.0.1]:1/"] {
         let t = http_task(&format!(r#""url":"{url}""#));
-        let out = guarded.run(context(t, Duration::from_secs(10))).await;
+        let out = guarded.run_task(context(t, Duration::from_secs(10))).await;
         assert_eq!(out.status, Status::Failed, "{out:?}");
         assert!(out.error.unwrap().contains("loopback address"), "{url}");
     }
@@ -429,7 +429,7 @@ async fn http_ssrf_guard_refuses_loopback_literal_and_name() {
     // Off by default: the same request goes through.
     let open = HttpRunner::new(false).unwrap();
     let t = http_task(&format!(r#""url":"http://localhost:{}/ok""#, srv.port));
-    let out = open.run(context(t, Duration::from_secs(10))).await;
+    let out = open.run_task(context(t, Duration::from_secs(10))).await;
     assert_eq!(out.status, Status::Success, "{out:?}");
 }
 

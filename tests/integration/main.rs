@@ -12,6 +12,7 @@ mod compose;
 mod container;
 mod containment;
 mod core;
+mod custom;
 mod faults;
 mod history;
 mod http;

@@ -4,12 +4,14 @@
 
 #![allow(dead_code)]
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use jetworker::protocol::{parse_task, Envelope, Task, ValidationLimits};
-use jetworker::runner::{RunContext, Stop};
+use jetworker::runner::command::{ProcessRunner, ProcessSpec};
+use jetworker::runner::container::ContainerRunner;
+use jetworker::runner::http::HttpRunner;
+use jetworker::runner::{run_attempt, Outcome, RunContext};
 
 /// Output cap used by runner tests (small, so truncation is easy to hit).
 pub const TEST_OUTPUT_CAP: u64 = 64 * 1024;
@@ -27,32 +29,44 @@ pub fn task(json: &str) -> Arc<Task> {
     )
 }
 
-/// The reserved variables (DESIGN.md 3.1) plus the task's `env`.
-pub fn task_env(task: &Task, attempt: u32) -> BTreeMap<String, String> {
-    let mut env = BTreeMap::new();
-    env.insert("IDEMPOTENCY_KEY".into(), task.idempotency_key.clone());
-    env.insert("SCHEDULE_INSTANCE_ID".into(), task.id.clone());
-    env.insert("ATTEMPT".into(), attempt.to_string());
-    if let Some(s) = task.shard {
-        env.insert("SHARD_NO".into(), s.no.to_string());
-        env.insert("SHARD_TOTAL".into(), s.total.to_string());
-    }
-    env.extend(task.env.clone());
-    env
+/// A first-attempt context with the given timeout and a 1s kill grace,
+/// built by the worker's own constructor.
+pub fn context(task: Arc<Task>, timeout: Duration) -> RunContext {
+    RunContext::new(
+        task,
+        1,
+        "test-runner",
+        timeout,
+        Duration::from_secs(1),
+        TEST_OUTPUT_CAP,
+    )
 }
 
-/// A first-attempt context with the given timeout and a 1s kill grace.
-pub fn context(task: Arc<Task>, timeout: Duration) -> RunContext {
-    let env = task_env(&task, 1);
-    RunContext {
-        task,
-        attempt: 1,
-        worker_id: "test-runner".into(),
-        timeout,
-        kill_grace: Duration::from_secs(1),
-        output_cap: TEST_OUTPUT_CAP,
-        env,
-        stop: Stop::new(),
-        live: None,
+/// Run one attempt through a runner the test holds directly.
+pub trait RunTask {
+    /// Run `ctx.task` (validated by the built-in type of this runner).
+    async fn run_task(&self, ctx: RunContext) -> Outcome;
+}
+
+impl RunTask for HttpRunner {
+    async fn run_task(&self, ctx: RunContext) -> Outcome {
+        run_attempt(self, ctx).await
+    }
+}
+
+impl RunTask for ContainerRunner {
+    async fn run_task(&self, ctx: RunContext) -> Outcome {
+        run_attempt(self, ctx).await
+    }
+}
+
+impl RunTask for ProcessRunner {
+    async fn run_task(&self, ctx: RunContext) -> Outcome {
+        let spec = ctx
+            .task
+            .spec::<ProcessSpec>()
+            .expect("a shell or command task")
+            .clone();
+        self.run(&spec, ctx).await
     }
 }

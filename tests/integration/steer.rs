@@ -413,8 +413,7 @@ async fn every_final_status_is_counted_with_label_and_type() {
     let _w = InProcWorker::start(
         |c| {
             c.metrics_addr = Some(addr);
-            c.types = vec![jetworker::protocol::TaskType::Shell];
-            c.types_explicit = true;
+            c.types = Some(vec!["shell".into()]);
         },
         &url,
     );
