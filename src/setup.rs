@@ -56,19 +56,24 @@ impl Default for SetupOptions {
 /// of any one node, and more only slow every write down.
 pub const AUTO_MAX_REPLICAS: usize = 3;
 
-/// How long a worker that is about to create the streams waits for a
-/// forming cluster to advertise all its nodes (the server updates its INFO
-/// as routes come up) before it settles for fewer replicas.
+/// How long a worker that is about to create the streams on a cluster that
+/// seems to have fewer than 3 nodes keeps asking the meta leader to place
+/// 3 replicas (a cluster still forming) before it settles for fewer
+/// ([`ensure_all`]).
 const FORMING_WAIT: Duration = Duration::from_secs(5);
 
-/// The replica count when nobody chose one: 1 on a single server,
-/// `min(3, servers in the cluster)` on a cluster. The servers are counted
-/// from the INFO of the server we are connected to (itself plus the other
-/// nodes' client URLs it advertises), so the cluster should be formed
-/// before the first worker starts ([`SetupOptions::resolve_replicas`]
-/// waits up to [`FORMING_WAIT`] for it), and a cluster that does not
-/// advertise its nodes (`no_advertise`) gets 1: run `jetworker setup
-/// --replicas 3` there. Streams that exist are never changed by this rule.
+/// The replica count when nobody chose one, as far as the connected
+/// server's INFO tells: 1 on a single server, `min(3, servers in the
+/// cluster)` on a cluster, counting the server itself plus the other nodes'
+/// client URLs it advertises; a cluster that does not advertise its nodes
+/// (`no_advertise`) gets 1: run `jetworker setup --replicas 3` there.
+///
+/// This INFO is the one the client got when it connected: async-nats
+/// (0.51) ignores the INFO updates a server sends as routes come and go, so
+/// it can name fewer nodes than the cluster has by the time streams are
+/// created. [`ensure_all`] therefore does not trust a count below 3 on a
+/// cluster: it asks the meta leader to place 3 replicas first. Streams that
+/// exist are never changed by this rule.
 pub fn auto_replicas(info: &async_nats::ServerInfo) -> usize {
     if info.cluster.is_none() {
         return 1;
@@ -87,30 +92,14 @@ pub fn auto_replicas(info: &async_nats::ServerInfo) -> usize {
 }
 
 impl SetupOptions {
-    /// The replica count to create with: the chosen one, else
-    /// [`auto_replicas`] — after waiting up to [`FORMING_WAIT`] for a
-    /// cluster that advertises fewer than 3 nodes, if the task stream does
-    /// not exist yet (a cluster still forming), so that the first worker
-    /// does not create R1 streams on a cluster of three.
-    pub async fn resolve_replicas(&self, js: &jetstream::Context, names: &Names) -> usize {
-        if let Some(r) = self.replicas {
-            return r;
-        }
-        let client = js.client();
-        let now = auto_replicas(&client.server_info());
-        if client.server_info().cluster.is_none()
-            || now >= AUTO_MAX_REPLICAS
-            || js.get_stream(&names.tasks_stream).await.is_ok()
-        {
-            return now;
-        }
-        let deadline = tokio::time::Instant::now() + FORMING_WAIT;
-        loop {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            let r = auto_replicas(&client.server_info());
-            if r >= AUTO_MAX_REPLICAS || tokio::time::Instant::now() >= deadline {
-                return r;
-            }
+    /// The replica count to plan with: the chosen one, else
+    /// [`auto_replicas`] (the connected server's INFO, which can undercount
+    /// a cluster; [`ensure_all`] corrects that when it creates the task
+    /// stream).
+    pub async fn resolve_replicas(&self, js: &jetstream::Context, _names: &Names) -> usize {
+        match self.replicas {
+            Some(r) => r,
+            None => auto_replicas(&js.client().server_info()),
         }
     }
 
@@ -349,14 +338,77 @@ pub struct Infra {
     pub joins: kv::Store,
 }
 
-/// Create or check everything; replicas chosen once for all of it
-/// ([`SetupOptions::resolve_replicas`]).
+/// Whether a stream create was refused because the meta leader cannot place
+/// that many replicas (too few nodes, or nodes not yet known to be up).
+fn is_placement_error(e: &jetstream::context::CreateStreamError) -> bool {
+    matches!(
+        e.kind(),
+        jetstream::context::CreateStreamErrorKind::JetStream(ref j)
+            if j.error_code() == jetstream::ErrorCode::CLUSTER_NO_PEERS
+                || j.error_code() == jetstream::ErrorCode::INSUFFICIENT_RESOURCES
+    )
+}
+
+/// The replicas of a task stream that does not exist yet on a cluster whose
+/// INFO named fewer than 3 nodes (`counted`): create it with 3, asking
+/// again while the meta leader cannot place them, for up to
+/// [`FORMING_WAIT`]; then settle for `counted`. Returns the replicas the
+/// task stream got (also when another worker created it meanwhile).
+async fn place_tasks_stream(
+    js: &jetstream::Context,
+    names: &Names,
+    o: &SetupOptions,
+    counted: usize,
+) -> usize {
+    let schedules = server_at_least(&js.client(), 2, 12);
+    let o3 = SetupOptions {
+        replicas: Some(AUTO_MAX_REPLICAS),
+        ..o.clone()
+    };
+    let deadline = tokio::time::Instant::now() + FORMING_WAIT;
+    loop {
+        match js
+            .create_stream(tasks_stream_config(names, &o3, schedules))
+            .await
+        {
+            Ok(s) => return s.cached_info().config.num_replicas,
+            Err(e) if is_placement_error(&e) && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            // Placement still refused: fewer nodes than 3. Anything else
+            // (it exists now, a timeout): read it back, else use the count;
+            // ensure_tasks_stream retries and reports real errors.
+            Err(_) => {
+                return match js.get_stream(&names.tasks_stream).await {
+                    Ok(mut s) => match s.info().await {
+                        Ok(i) => i.config.num_replicas,
+                        Err(_) => counted,
+                    },
+                    Err(_) => counted,
+                };
+            }
+        }
+    }
+}
+
+/// Create or check everything; replicas chosen once for all of it:
+/// the chosen count, else [`auto_replicas`] — except on a cluster whose
+/// INFO names fewer than 3 nodes while the task stream does not exist yet,
+/// where the meta leader decides ([`place_tasks_stream`]): 3 if it can
+/// place them within [`FORMING_WAIT`], else the count from INFO.
 pub async fn ensure_all(
     js: &jetstream::Context,
     names: &Names,
     o: &SetupOptions,
 ) -> anyhow::Result<Infra> {
-    let replicas = o.resolve_replicas(js, names).await;
+    let mut replicas = o.resolve_replicas(js, names).await;
+    if o.replicas.is_none()
+        && replicas < AUTO_MAX_REPLICAS
+        && js.client().server_info().cluster.is_some()
+        && js.get_stream(&names.tasks_stream).await.is_err()
+    {
+        replicas = place_tasks_stream(js, names, o, replicas).await;
+    }
     if o.replicas.is_none() && replicas > 1 {
         tracing::debug!(
             replicas,
