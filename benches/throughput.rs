@@ -6,8 +6,13 @@
 //!   same size as jetworker's to a file-backed results stream and wait for
 //!   its PubAck, ack. Same task messages, same storage.
 //! - **jetworker, trivial `http` tasks**: the daemon's own entry point
-//!   (`jetworker::worker::run`) in this process with 64 slots, each task a
-//!   GET to a local HTTP server that answers at once.
+//!   (`jetworker::Worker::builder`) in this process with 64 slots, each
+//!   task a GET to a local HTTP server that answers at once.
+//! - **jetworker, no-op in-process tasks**: the same worker with a task
+//!   type that is an async function returning at once
+//!   (`runner::in_process::function`): the worker's own overhead, with no
+//!   spawn and no request (issue 14: ≥ 60 % of the raw loop; p50 at
+//!   100/s ≤ 2 × the raw p50).
 //!
 //! For each: **throughput** (N tasks published as fast as the server takes
 //! them; tasks/s from the first publish to the last final result) and
@@ -35,6 +40,7 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 use futures::StreamExt;
 use jetworker::config::WorkerConfig;
 use jetworker::protocol::{Names, Status, TaskResult};
+use jetworker::runner::in_process::{function, NoFields, TaskContext};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
@@ -64,7 +70,13 @@ impl Worker {
         cfg.name = format!("bench-s{slots}");
         let prefix = format!("{}-", cfg.name);
         let token = CancellationToken::new();
-        let handle = tokio::spawn(jetworker::worker::run(cfg, token.clone()));
+        let noop = function("noop", |_: NoFields, _: TaskContext| async { Ok(()) });
+        let handle = tokio::spawn(
+            jetworker::Worker::builder()
+                .config(cfg)
+                .runner(noop)
+                .run(token.clone()),
+        );
         // Ready once its first heartbeat is stored; the pullers start right
         // after that.
         common::wait_heartbeat(js, &prefix).await;
@@ -86,12 +98,14 @@ impl Worker {
     }
 }
 
-/// Where a path publishes its tasks and results.
+/// Where a path publishes its tasks and results, and which tasks.
 #[derive(Clone)]
 struct Path {
     name: &'static str,
     task_subject: String,
     results_prefix: String,
+    /// `http` (a GET to the local server) or `noop` (in-process).
+    kind: &'static str,
 }
 
 /// Final results on `<results_prefix>.>`, read from a subscription made
@@ -135,8 +149,11 @@ impl Results {
     }
 }
 
-fn task_json(url: &str, id: &str) -> bytes::Bytes {
-    format!(r#"{{"type":"http","url":"{url}","id":"{id}"}}"#).into()
+fn task_json(kind: &str, url: &str, id: &str) -> bytes::Bytes {
+    match kind {
+        "noop" => format!(r#"{{"type":"noop","id":"{id}"}}"#).into(),
+        _ => format!(r#"{{"type":"http","url":"{url}","id":"{id}"}}"#).into(),
+    }
 }
 
 /// Publish `n` tasks at once (up to 256 acks in flight), then wait for all
@@ -152,7 +169,7 @@ async fn throughput(
     let start = Instant::now();
     futures::stream::iter(0..n)
         .map(|i| {
-            let payload = task_json(url, &format!("{prefix}{i:06}"));
+            let payload = task_json(path.kind, url, &format!("{prefix}{i:06}"));
             let subject = path.task_subject.clone();
             async move {
                 js.publish(subject, payload)
@@ -196,7 +213,7 @@ async fn paced(
                 let id = format!("{prefix}{i:06}");
                 sent.lock().unwrap().insert(id.clone(), Instant::now());
                 let ack = js
-                    .publish(path.task_subject.clone(), task_json(&url, &id))
+                    .publish(path.task_subject.clone(), task_json(path.kind, &url, &id))
                     .await
                     .expect("publish");
                 tokio::spawn(async move { ack.await.expect("publish ack") });
@@ -407,6 +424,7 @@ async fn main() {
         name: "raw loop",
         task_subject: "raw.tasks.default".into(),
         results_prefix: "raw.results".into(),
+        kind: "http",
     };
     let consumer = raw_setup(&js).await;
     let sample = {
@@ -442,6 +460,12 @@ async fn main() {
         name: "jetworker http",
         task_subject: Names::default().task_subject("default"),
         results_prefix: Names::default().results_prefix,
+        kind: "http",
+    };
+    let noop_path = Path {
+        name: "jetworker noop",
+        kind: "noop",
+        ..worker_path.clone()
     };
     let can_reset = common::reset_peak_rss();
     let worker = Worker::start(&server.url(), &js, SLOTS).await;
@@ -468,6 +492,27 @@ async fn main() {
     .await;
     wait_empty(&js, &Names::default().tasks_stream).await;
     stop_tap.cancel();
+    // The worker's own overhead: no-op in-process tasks.
+    let noop_rate = throughput(
+        &js,
+        &noop_path,
+        &mut results,
+        &url,
+        &format!("n{run}-"),
+        n,
+    )
+    .await;
+    wait_empty(&js, &Names::default().tasks_stream).await;
+    let noop_lat = paced(
+        &js,
+        &noop_path,
+        &mut results,
+        &url,
+        &format!("np{run}-"),
+        n_paced,
+    )
+    .await;
+    wait_empty(&js, &Names::default().tasks_stream).await;
     worker.stop().await;
     let peak = common::peak_rss_mib();
     let http = http_p50(&url, 500).await;
@@ -479,6 +524,7 @@ async fn main() {
     for (name, rate, lat) in [
         (raw.name, raw_rate, &raw_lat),
         (worker_path.name, rate, &lat),
+        (noop_path.name, noop_rate, &noop_lat),
     ] {
         println!(
             "{name:<16}  {rate:>8.0}  {:>9.2}  {:>9.2}  {:>9.2}",
@@ -501,6 +547,18 @@ async fn main() {
         ms(http),
         ms(limit),
         if p50 <= limit {
+            "within the target"
+        } else {
+            "over the target"
+        }
+    );
+    let noop_p50 = common::percentile(&noop_lat, 50.0);
+    println!(
+        "no-op in-process: throughput {:.0} % of raw (target ≥ 60 %); p50 {:.2} ms against 2 × raw p50 = {:.2} ms ({})",
+        100.0 * noop_rate / raw_rate,
+        ms(noop_p50),
+        ms(raw_p50 * 2),
+        if noop_p50 <= raw_p50 * 2 {
             "within the target"
         } else {
             "over the target"
