@@ -310,9 +310,16 @@ async fn thousand_bad_among_thousand_good() {
     .await;
     queue_drained(&js, T, "queue empty").await;
     for i in (1..2000usize).step_by(2).take(50) {
+        // A type no worker of the label runs is not invalid: it is handed
+        // back, then dead once its deliveries are used up.
+        let want = if (i / 2) % bad.len() == 2 {
+            Status::Dead
+        } else {
+            Status::Rejected
+        };
         assert_eq!(
             last_result(&js, &format!("bad{i}")).await.unwrap().status,
-            Status::Rejected,
+            want,
             "bad{i}"
         );
     }
