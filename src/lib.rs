@@ -25,20 +25,22 @@
 //!   pause, resume), shared by the CLI and any other front end.
 //! - [`ui`]: `jetworker ui`, the live web dashboard.
 
-pub mod cgroup;
-pub mod commands;
+#![warn(missing_docs)]
+
+pub(crate) mod cgroup;
+pub(crate) mod commands;
 pub mod config;
-pub mod connect;
+pub(crate) mod connect;
 mod logfmt;
-pub mod metrics;
-pub mod output;
-pub mod process;
+pub(crate) mod metrics;
+pub(crate) mod output;
+pub(crate) mod process;
 pub mod protocol;
 pub mod queues;
 pub mod runner;
-pub mod setup;
-pub mod suggest;
-pub mod ui;
+pub(crate) mod setup;
+pub(crate) mod suggest;
+pub(crate) mod ui;
 pub mod worker;
 
 pub use runner::{Fields, Outcome, RunContext, Runner};
@@ -46,3 +48,21 @@ pub use worker::{Worker, WorkerBuilder};
 
 /// The version reported in heartbeats and `--version`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Not API: what the `jetworker` binary, the integration tests and the
+/// benchmarks reach inside the crate for. It may change in any release.
+#[doc(hidden)]
+pub mod internals {
+    pub use crate::cgroup::Cgroups;
+    pub use crate::commands::main;
+    pub use crate::process::start_time;
+    pub use crate::runner::command::{ProcessRunner, ProcessSpec};
+    pub use crate::runner::container::{
+        ContainerRunner, ContainerSpec, WorkerIdentity, LABEL_TASK_ID,
+    };
+    pub use crate::runner::http::HttpRunner;
+    pub use crate::setup::{
+        ensure_all, ensure_label_consumer, tasks_stream_config, SetupOptions, MAX_WAITING_PULLS,
+    };
+    pub use crate::worker::outbox::{Entry, Outbox};
+}

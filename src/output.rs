@@ -97,11 +97,6 @@ impl Capture {
         }
     }
 
-    /// Total bytes pushed.
-    pub fn total(&self) -> u64 {
-        self.total
-    }
-
     /// The captured text: everything if it fit, else head + marker + tail,
     /// each cut on a character boundary.
     pub fn finish(&self) -> Captured {

@@ -56,11 +56,6 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    /// The types a task is validated against before it is published.
-    pub fn validators(&self, allowed_networks: Vec<String>) -> crate::runner::Registry {
-        crate::runner::Registry::validators(allowed_networks, &self.type_defs)
-    }
-
     /// Connect for an operator command (fails fast).
     pub async fn client(&self) -> anyhow::Result<async_nats::Client> {
         crate::connect::connect_cli(&self.connect).await

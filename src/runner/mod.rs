@@ -14,15 +14,16 @@
 //! to stop differs (a process group, a container, a future); the process and
 //! container runners share one clock for it ([`supervise`]).
 
-pub mod command;
-pub mod container;
+pub(crate) mod command;
+pub(crate) mod container;
 pub mod defined;
-pub mod http;
+pub(crate) mod http;
 pub mod in_process;
 mod registry;
-pub mod shell;
+pub(crate) mod shell;
 mod supervise;
 
+pub use crate::output::{Captured, LiveOutput, OutputSink, StreamKind};
 pub(crate) use registry::{check_type_name, AnySpec};
 pub use registry::{fields_schema_of, Registry};
 
@@ -34,7 +35,6 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
-use crate::output::{Captured, LiveOutput};
 use crate::protocol::{Invalid, Status, Task};
 
 /// A task type: validates its own fields and runs attempts.
@@ -185,9 +185,6 @@ impl Stop {
     pub fn fire(&self, kind: StopKind, reason: impl Into<String>) {
         let _ = self.reason.set((kind, reason.into()));
         self.token.cancel();
-    }
-    pub fn is_fired(&self) -> bool {
-        self.token.is_cancelled()
     }
     pub async fn fired(&self) {
         self.token.cancelled().await
