@@ -23,6 +23,7 @@ pub struct SetupOptions {
     /// Replicas of every stream and bucket created (or, with
     /// `update_existing`, updated); `None`: [`auto_replicas`].
     pub replicas: Option<usize>,
+    /// File or memory storage of every stream and bucket created.
     pub storage: StorageType,
     /// RESULTS max age.
     pub results_max_age: Duration,

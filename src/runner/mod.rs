@@ -178,6 +178,7 @@ pub struct Stop {
 }
 
 impl Stop {
+    /// A signal not fired yet.
     pub fn new() -> Self {
         Self::default()
     }
@@ -186,6 +187,7 @@ impl Stop {
         let _ = self.reason.set((kind, reason.into()));
         self.token.cancel();
     }
+    /// Wait until the signal fires (at once if it has).
     pub async fn fired(&self) {
         self.token.cancelled().await
     }
@@ -212,9 +214,11 @@ pub fn timeout_reason(timeout: Duration) -> String {
 /// [`RunContext::new`] (the worker and tests alike), then adjusted.
 #[derive(Clone)]
 pub struct RunContext {
+    /// The validated task.
     pub task: Arc<Task>,
     /// 1-based attempt number (the delivery count).
     pub attempt: u32,
+    /// The id of the worker running it.
     pub worker_id: String,
     /// Whole attempt, kill included.
     pub timeout: Duration,
@@ -264,10 +268,15 @@ impl RunContext {
 pub struct Outcome {
     /// Success, Failed, Timeout or Cancelled.
     pub status: Status,
+    /// A process's or container's exit code.
     pub exit_code: Option<i32>,
+    /// The signal that killed the process (`SIGKILL`).
     pub signal: Option<String>,
+    /// An HTTP response's status.
     pub http_status: Option<u16>,
+    /// What the attempt printed, within the cap.
     pub output: Captured,
+    /// Why it did not succeed, in words.
     pub error: Option<String>,
     /// The attempt can never succeed on retry (the program does not exist
     /// or cannot be executed): the worker makes the result final at once.
