@@ -21,7 +21,7 @@ use crate::protocol::Names;
 #[derive(Debug, Clone)]
 pub struct SetupOptions {
     /// Replicas of every stream and bucket created (or, with
-    /// `update_existing`, updated); `None`: [`auto_replicas`].
+    /// `update_existing`, updated); `None`: `auto_replicas`.
     pub replicas: Option<usize>,
     /// File or memory storage of every stream and bucket created.
     pub storage: StorageType,

@@ -4,6 +4,10 @@
 //! configuration or connection error; `status` adds 3 not final yet and 4
 //! unknown id).
 
+// Doc comments on clap arguments are `--help` text, not rustdoc: `<id>` and
+// `uid[:gid]` there are placeholders, not HTML or links.
+#![allow(rustdoc::invalid_html_tags, rustdoc::broken_intra_doc_links)]
+
 pub mod cancel;
 pub mod cli;
 pub mod common;

@@ -12,7 +12,7 @@
 //!
 //! Runners enforce the timeout and the stop signal themselves, because how
 //! to stop differs (a process group, a container, a future); the process and
-//! container runners share one clock for it ([`supervise`]).
+//! container runners share one clock for it (`supervise`).
 
 pub(crate) mod command;
 pub(crate) mod container;

@@ -1,15 +1,15 @@
 //! The worker daemon: start-up (connect, check the server, create the
 //! streams, consumers and buckets, retrying while the broker is not ready),
 //! one puller per label that never leases more messages than free slots,
-//! the task lifecycle ([`lifecycle`]), heartbeats, the cancel and workers
+//! the task lifecycle (`lifecycle`), heartbeats, the cancel and workers
 //! watches, the outbox, and the drain on shutdown (DESIGN.md sections 1, 5
 //! and 6).
 //!
-//! Layout: [`lifecycle`] handles one message and is the only code that
-//! answers the broker; [`records`] reads and builds the records on
-//! `results.<id>` (every write a compare-and-set); [`outbox`] is the one
-//! delivery loop for what must be stored; [`running`] is the registry of
-//! running tasks, whose guard unregisters on drop; [`readiness`] works out
+//! Layout: `lifecycle` handles one message and is the only code that
+//! answers the broker; `records` reads and builds the records on
+//! `results.<id>` (every write a compare-and-set); `outbox` is the one
+//! delivery loop for what must be stored; `running` is the registry of
+//! running tasks, whose guard unregisters on drop; `readiness` works out
 //! `/readyz` and what systemd hears (`READY=1`, watchdog, `STOPPING=1`).
 //!
 //! Shutdown: the `shutdown` token stops the pullers; running tasks get
