@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull, message::PublishMessage};
 use futures::StreamExt;
+use jetworker::internals::{ensure_all, SetupOptions};
 use jetworker::protocol::{Names, TaskResult};
-use jetworker::setup::{ensure_all, SetupOptions};
 
 use cluster_util::NatsCluster;
 use common::env_usize;
@@ -399,5 +399,5 @@ async fn main() {
         }
     }
     idle(idle_n, None).await;
-    idle(idle_n, Some(jetworker::setup::MAX_WAITING_PULLS)).await;
+    idle(idle_n, Some(jetworker::internals::MAX_WAITING_PULLS)).await;
 }

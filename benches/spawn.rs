@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use futures::StreamExt;
+use jetworker::internals::{ProcessRunner, ProcessSpec};
 use jetworker::protocol::{parse_task, Envelope, Names, Status, TaskResult, ValidationLimits};
-use jetworker::runner::command::{ProcessRunner, ProcessSpec};
 use jetworker::runner::RunContext;
 
 const GIVE_UP: Duration = Duration::from_secs(300);

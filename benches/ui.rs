@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, message::PublishMessage};
 use chrono::Utc;
+use jetworker::internals::{ensure_all, ensure_label_consumer, SetupOptions};
 use jetworker::protocol::{Heartbeat, Names};
-use jetworker::setup::{ensure_all, ensure_label_consumer, SetupOptions};
 use serde_json::json;
 
 use browser::Browser;

@@ -345,7 +345,7 @@ impl Cgroups {
     /// this thread moves into the task's cgroups for the duration of the
     /// call (the spawn is synchronous, so nothing else runs on this thread
     /// meanwhile) and then back; on v2 the child joins from its `pre_exec`
-    /// hook ([`TaskCgroup::join_files`]) and this only calls `spawn`.
+    /// hook (`TaskCgroup::join_files`) and this only calls `spawn`.
     pub fn spawn_inside<T>(&self, t: &TaskCgroup, spawn: impl FnOnce() -> T) -> std::io::Result<T> {
         let Kind::V1 { memory, pids, cpu } = &self.kind else {
             return Ok(spawn());

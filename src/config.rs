@@ -32,11 +32,14 @@ use crate::runner::defined::TypeDef;
 #[derive(Debug, thiserror::Error)]
 #[error("invalid setting {setting}: {problem}")]
 pub struct ConfigError {
+    /// The setting's key (`slots`, `names.tasks_stream`).
     pub setting: String,
+    /// What is wrong with its value.
     pub problem: String,
 }
 
 impl ConfigError {
+    /// A bad value of `setting`.
     pub fn new(setting: impl Into<String>, problem: impl Into<String>) -> Self {
         ConfigError {
             setting: setting.into(),
@@ -81,6 +84,7 @@ pub enum Group {
     Connection,
     /// Stream, bucket and subject names (several tenants in one account).
     Names,
+    /// Log format and level.
     Logging,
     /// `jetworker run` only.
     Worker,
@@ -102,6 +106,7 @@ impl Group {
 /// How a value is written in TOML and shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
+    /// Free text.
     Text,
     /// A file path.
     Path,
@@ -120,8 +125,11 @@ pub enum Kind {
 pub enum Dflt {
     /// Unset; the text says what that means ("off").
     Unset(&'static str),
+    /// This text.
     Text(&'static str),
+    /// This duration (`30s`).
     Duration(Duration),
+    /// This many bytes (`256KiB`).
     Size(u64),
     /// Computed at start (host name, CPUs); the text describes it.
     Computed(fn() -> String, &'static str),
@@ -136,6 +144,7 @@ pub struct Setting {
     pub key: &'static str,
     /// Long flag, without `--`.
     pub flag: &'static str,
+    /// Short flag, if any.
     pub short: Option<char>,
     /// Other long flags (natscli spellings).
     pub aliases: &'static [&'static str],
@@ -143,12 +152,17 @@ pub struct Setting {
     pub env: &'static [&'static str],
     /// Field of a `nats` CLI context that fills it.
     pub context: Option<&'static str>,
+    /// Used when no layer gives a value.
     pub default: Dflt,
+    /// How its value is written.
     pub kind: Kind,
+    /// Where `--help` shows it.
     pub group: Group,
+    /// The placeholder in `--help` (`DURATION`).
     pub value_name: &'static str,
     /// Whether the TOML file may set it.
     pub in_file: bool,
+    /// One-line description (`--help`, `config check`, README).
     pub doc: &'static str,
 }
 
@@ -730,9 +744,11 @@ fn name_field_mut<'a>(n: &'a mut Names, key: &str) -> Option<&'a mut String> {
 /// Where a value came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Source {
+    /// The built-in default.
     Default,
     /// A `nats` CLI context (name, file).
     Context(String, PathBuf),
+    /// The config file.
     File(PathBuf),
     /// This environment variable.
     Env(&'static str),
@@ -755,14 +771,18 @@ impl std::fmt::Display for Source {
 /// A value as given, and where.
 #[derive(Debug, Clone)]
 pub struct Value {
+    /// The value, unconverted.
     pub text: String,
+    /// The layer it came from.
     pub source: Source,
 }
 
 /// What the process was given: flags by setting key, and a way to read the
 /// environment (tests pass their own).
 pub struct Inputs<'a> {
+    /// Flags given, by setting key.
     pub flags: BTreeMap<&'static str, String>,
+    /// Reads an environment variable.
     pub env: &'a dyn Fn(&str) -> Option<String>,
     /// `--no-context`: ignore the `nats` CLI context.
     pub no_context: bool,
@@ -1145,6 +1165,7 @@ pub fn load_nats_context(
 /// A `nats` CLI context as read.
 #[derive(Debug, Clone)]
 pub struct NatsContext {
+    /// The context's name.
     pub name: String,
     /// Its file.
     pub path: PathBuf,
@@ -1182,14 +1203,23 @@ fn parse_bool(s: &str) -> Option<bool> {
 /// How to reach NATS; shared by the worker and every CLI subcommand.
 #[derive(Debug, Clone)]
 pub struct ConnectConfig {
+    /// Server URLs, tried in turn.
     pub servers: Vec<String>,
+    /// Credentials file (JWT and seed).
     pub creds: Option<PathBuf>,
+    /// NKey seed file.
     pub nkey: Option<PathBuf>,
+    /// Auth token.
     pub token: Option<String>,
+    /// User name (with `password`).
     pub user: Option<String>,
+    /// Password (with `user`).
     pub password: Option<String>,
+    /// CA certificate(s) that sign the server's.
     pub tls_ca: Option<PathBuf>,
+    /// Client certificate (with `tls_key`).
     pub tls_cert: Option<PathBuf>,
+    /// Client certificate's key.
     pub tls_key: Option<PathBuf>,
     /// TLS handshake first (`--tlsfirst`).
     pub tls_first: bool,
@@ -1238,6 +1268,7 @@ pub enum LeaseLost {
 /// default).
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
+    /// How to reach NATS.
     pub connect: ConnectConfig,
     /// Base of the worker id (`<name>-<random>`).
     pub name: String,
@@ -1252,16 +1283,25 @@ pub struct WorkerConfig {
     pub type_defs: Vec<TypeDef>,
     /// Maximum tasks running at once.
     pub slots: usize,
+    /// Timeout of a task that gives none.
     pub default_timeout: Duration,
+    /// Between the polite stop and the kill.
     pub kill_grace: Duration,
+    /// The consumers' ack wait: the lease on a task between progress acks.
     pub ack_wait: Duration,
+    /// Interval of heartbeats (KV `workers`).
     pub heartbeat: Duration,
+    /// A worker without a heartbeat for this long is offline.
     pub offline_after: Duration,
+    /// On shutdown, how long running tasks get to finish.
     pub drain_timeout: Duration,
     /// Output cap per attempt, before clamping to the server's max_payload.
     pub output_cap: u64,
+    /// Largest task message accepted.
     pub max_task_bytes: usize,
+    /// Outbox and local state.
     pub state_dir: PathBuf,
+    /// Address of `/metrics`, `/healthz` and `/readyz` (`None`: off).
     pub metrics_addr: Option<SocketAddr>,
     /// Worker environment variables passed through to tasks.
     pub pass_env: Vec<String>,
@@ -1269,10 +1309,15 @@ pub struct WorkerConfig {
     pub shell: Vec<String>,
     /// Run tasks as this user (worker must be root).
     pub task_user: Option<String>,
+    /// Docker networks container tasks may use besides `none` and `bridge`.
     pub allowed_networks: Vec<String>,
+    /// Network of container tasks that name none (`None`: `bridge`).
     pub default_network: Option<String>,
+    /// Docker Engine address (default: `DOCKER_HOST`, else the local socket).
     pub docker_host: Option<String>,
+    /// Refuse http tasks to private, loopback and link-local addresses.
     pub deny_private_http: bool,
+    /// What to do with a task whose lease was lost.
     pub on_lease_lost: LeaseLost,
     /// Give shell/command tasks their own cgroup where the tree is writable.
     pub cgroups: bool,
@@ -1281,7 +1326,9 @@ pub struct WorkerConfig {
 /// Log settings, resolved before anything else so that errors are logged.
 #[derive(Debug, Clone)]
 pub struct LogConfig {
+    /// JSON lines (else text).
     pub json: bool,
+    /// Filter (`info`, `jetworker=debug`).
     pub level: String,
     /// Whether the level was given (operator commands default to warn).
     pub level_given: bool,
@@ -1466,6 +1513,7 @@ impl WorkerConfig {
     }
 }
 
+/// Resolve and check the worker settings; the first bad value is the error.
 pub fn resolve_worker(s: &Settings) -> Result<WorkerConfig, ConfigError> {
     let connect = resolve_connect(s)?;
     let name: String = s

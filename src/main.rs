@@ -5,5 +5,5 @@
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    jetworker::commands::main()
+    jetworker::internals::main()
 }

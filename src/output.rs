@@ -11,11 +11,14 @@ use crate::protocol::{HEADER_FINAL, HEADER_STREAM};
 /// Which stream a chunk came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamKind {
+    /// Standard output.
     Stdout,
+    /// Standard error.
     Stderr,
 }
 
 impl StreamKind {
+    /// The name on the live stream (`stdout`).
     pub fn as_str(self) -> &'static str {
         match self {
             StreamKind::Stdout => "stdout",
@@ -41,8 +44,11 @@ pub struct Capture {
 /// Captured output, ready for a result.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Captured {
+    /// The text kept: everything if it fit, else head, marker and tail (valid UTF-8).
     pub text: String,
+    /// Whether anything was cut.
     pub truncated: bool,
+    /// Bytes pushed in all.
     pub total_bytes: u64,
 }
 
@@ -95,11 +101,6 @@ impl Capture {
             self.tail[self.tail_start] = b;
             self.tail_start = (self.tail_start + 1) % tcap;
         }
-    }
-
-    /// Total bytes pushed.
-    pub fn total(&self) -> u64 {
-        self.total
     }
 
     /// The captured text: everything if it fit, else head + marker + tail,
@@ -252,7 +253,8 @@ pub struct LiveOutput {
 }
 
 impl LiveOutput {
-    pub fn new(client: async_nats::Client, subject: String) -> Self {
+    /// Publish on `subject` (`logs.<id>`) through `client`.
+    pub(crate) fn new(client: async_nats::Client, subject: String) -> Self {
         LiveOutput {
             client,
             subject: subject.into(),
@@ -425,6 +427,7 @@ pub struct OutputSink {
 }
 
 impl OutputSink {
+    /// Keep up to `cap` bytes; forward to `live`, if given, as attempt `attempt`.
     pub fn new(cap: u64, live: Option<LiveOutput>, attempt: u32) -> Self {
         OutputSink {
             capture: Capture::new(cap),
@@ -440,6 +443,7 @@ impl OutputSink {
         }
     }
 
+    /// Take a chunk of output.
     pub fn push(&mut self, kind: StreamKind, data: &[u8]) {
         self.capture.push(data);
         if let Some(l) = &mut self.live {

@@ -43,8 +43,11 @@ pub const HEADER_SCHEDULER: &str = "Nats-Scheduler";
 
 /// Defaults from DESIGN.md section 3.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+/// Delay before the first retry.
 pub const DEFAULT_BACKOFF: Duration = Duration::from_secs(1);
+/// Each further retry waits this many times longer.
 pub const DEFAULT_BACKOFF_FACTOR: f64 = 2.0;
+/// Longest wait between retries.
 pub const DEFAULT_MAX_BACKOFF: Duration = Duration::from_secs(300);
 /// Upper bound for `retry.max_attempts`, so that a typo cannot make a task
 /// retry forever.
@@ -112,6 +115,7 @@ impl Default for Names {
 }
 
 impl Names {
+    /// Where tasks of `label` are published: `tasks.<label>`.
     pub fn task_subject(&self, label: &str) -> String {
         format!("{}.{}", self.tasks_prefix, label)
     }
@@ -139,9 +143,11 @@ impl Names {
         let (label, id_token, id) = (t.next()?, t.next()?, t.next()?);
         (t.next().is_none() && id_token == "id" && valid_label(label) && valid_id(id)).then_some(id)
     }
+    /// The durable consumer of `label`: `label-<label>`.
     pub fn consumer_name(&self, label: &str) -> String {
         format!("label-{label}")
     }
+    /// The schedule `<name>`: `schedules.<name>`.
     pub fn schedule_subject(&self, name: &str) -> String {
         format!("{}.{}", self.schedules_prefix, name)
     }
@@ -150,12 +156,15 @@ impl Names {
     pub fn delayed_subject(&self, id: &str) -> String {
         format!("{}.{DELAYED_TOKEN}.{id}", self.schedules_prefix)
     }
+    /// The records of task `<id>`: `results.<id>`.
     pub fn result_subject(&self, id: &str) -> String {
         format!("{}.{}", self.results_prefix, id)
     }
+    /// The DEAD copy of task `<id>`: `dead.<label>.<id>`.
     pub fn dead_subject(&self, label: &str, id: &str) -> String {
         format!("{}.{}.{}", self.dead_prefix, label, id)
     }
+    /// Live output of task `<id>`: `logs.<id>`.
     pub fn logs_subject(&self, id: &str) -> String {
         format!("{}.{}", self.logs_prefix, id)
     }
@@ -187,7 +196,9 @@ fn is_id_byte(b: u8) -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Shard {
+    /// This shard's number: `0 <= no < total`.
     pub no: u32,
+    /// Shards in the job.
     pub total: u32,
 }
 
@@ -238,7 +249,9 @@ pub struct LimitsMessage {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(untagged)]
 pub enum SizeValue {
+    /// A number of bytes.
     Bytes(u64),
+    /// With a unit (`"256MiB"`).
     Text(String),
 }
 
@@ -302,6 +315,7 @@ pub struct TaskMessage {
     /// Exported as IDEMPOTENCY_KEY / X-Idempotency-Key; default: the instance id.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
+    /// Which slice of a fanned-out job this task is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shard: Option<Shard>,
     /// Flat form of `shard.no`.
@@ -316,6 +330,7 @@ pub struct TaskMessage {
     /// Whole-attempt timeout in seconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeout_seconds: Option<u64>,
+    /// Attempts and the backoff between them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry: Option<RetryMessage>,
     /// Deadline: an RFC 3339 time (`"2026-01-02T03:04:05Z"`) or a duration
@@ -326,6 +341,7 @@ pub struct TaskMessage {
     /// Extra environment; may not override the reserved names.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub env: Option<BTreeMap<String, String>>,
+    /// Resource limits (memory, cpu, cpu_seconds, pids, nofile, output).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limits: Option<LimitsMessage>,
     /// Tasks to queue when this one ends: a task object or an array of
@@ -414,11 +430,14 @@ impl TaskMessage {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{}", if field == "(message)" { problem.clone() } else { format!("{field}: {problem}") })]
 pub struct Invalid {
+    /// The field (`retry.max_attempts`, `args[1]`), or `(message)`.
     pub field: String,
+    /// What is wrong with it.
     pub problem: String,
 }
 
 impl Invalid {
+    /// A problem with `field`.
     pub fn new(field: impl Into<String>, problem: impl Into<String>) -> Self {
         Invalid {
             field: field.into(),
@@ -440,9 +459,13 @@ impl Invalid {
 /// Retry policy of a validated task.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
+    /// Attempts in all, the first included.
     pub max_attempts: u32,
+    /// Delay before the first retry.
     pub backoff: Duration,
+    /// Each further retry waits this many times longer.
     pub factor: f64,
+    /// Longest wait between retries.
     pub max_backoff: Duration,
 }
 
@@ -471,11 +494,17 @@ impl RetryPolicy {
 /// Validated per-task limits (bytes, cores, counts).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Limits {
+    /// Bytes of memory.
     pub memory: Option<u64>,
+    /// A share of CPU, in cores.
     pub cpu: Option<f64>,
+    /// CPU time, in seconds (RLIMIT_CPU).
     pub cpu_seconds: Option<u64>,
+    /// Processes (the cgroup's `pids.max`, else RLIMIT_NPROC).
     pub pids: Option<u64>,
+    /// Open files (RLIMIT_NOFILE).
     pub nofile: Option<u64>,
+    /// Bytes of output kept for the result (within the worker's cap).
     pub output: Option<u64>,
 }
 
@@ -504,7 +533,9 @@ impl PartialEq for TypeSpec {
 /// A task that passed validation: everything a runner needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Task {
+    /// The task's id (given, or derived from the message).
     pub id: String,
+    /// The label (queue) it was published on.
     pub label: String,
     /// The type's name (`type`).
     pub task_type: String,
@@ -512,14 +543,20 @@ pub struct Task {
     pub fields: crate::runner::Fields,
     /// What the type's runner made of them.
     pub spec: TypeSpec,
+    /// Exported as IDEMPOTENCY_KEY; default: the id.
     pub idempotency_key: String,
+    /// Which slice of a fanned-out job this task is.
     pub shard: Option<Shard>,
+    /// Whole-attempt timeout (`None`: the worker's default).
     pub timeout: Option<Duration>,
+    /// Attempts and backoff.
     pub retry: RetryPolicy,
     /// When the task expires (`expires`, resolved against the message's
     /// stored time): no attempt starts after it.
     pub deadline: Option<DateTime<Utc>>,
+    /// Extra environment (never a reserved name).
     pub env: BTreeMap<String, String>,
+    /// Resource limits.
     pub limits: Limits,
     /// Tasks queued when this one ends, by status (`then`).
     pub then: Vec<Child>,
@@ -576,10 +613,16 @@ pub enum Fired<'a> {
     Direct,
     /// A cron (or `schedule add --at`) firing of the schedule `<name>`:
     /// each firing is its own instance.
-    Schedule { name: &'a str },
+    Schedule {
+        /// The schedule's name.
+        name: &'a str,
+    },
     /// A delayed task (`submit --in/--at`), stored on
     /// `<schedules prefix>.delayed.<id>`: it fires once and keeps its id.
-    Delayed { id: &'a str },
+    Delayed {
+        /// The task's id.
+        id: &'a str,
+    },
 }
 
 /// The token after the schedules prefix that marks a delayed task's
@@ -635,6 +678,7 @@ pub fn best_effort_id(bytes: &[u8], env: &Envelope<'_>) -> String {
 /// Options the worker passes to validation.
 #[derive(Debug, Clone)]
 pub struct ValidationLimits {
+    /// Largest task message accepted.
     pub max_task_bytes: usize,
     /// The types whose fields are checked; a task of another type passes
     /// with its envelope checked only ([`Task::runnable`] is false).
@@ -1064,11 +1108,18 @@ pub enum Status {
     /// Not a result: a claimed attempt was handed back unfinished (worker
     /// shutdown); `attempt` counts the attempts used so far (non-final).
     Queued,
+    /// The attempt succeeded.
     Success,
+    /// The attempt failed: non-zero exit, killed by a signal or a limit,
+    /// HTTP status outside `success`, container error.
     Failed,
+    /// The attempt ran out of time.
     Timeout,
+    /// An operator cancelled the task (or a lease was lost).
     Cancelled,
+    /// Invalid; never ran.
     Rejected,
+    /// Attempts used up by deliveries whose worker vanished.
     Dead,
     /// Its `expires` deadline passed before an attempt could start (never
     /// ran, or a retry would have started after it).
@@ -1076,6 +1127,7 @@ pub enum Status {
 }
 
 impl Status {
+    /// The name on the wire (`success`).
     pub fn as_str(self) -> &'static str {
         match self {
             Status::Running => "running",
@@ -1120,28 +1172,49 @@ impl std::str::FromStr for Status {
 /// The result message of one attempt (DESIGN.md section 4).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct TaskResult {
+    /// The task's id.
     pub id: String,
+    /// Its label.
     pub label: String,
+    /// Its type (`None`: a rejected message without a usable one).
     #[serde(rename = "type")]
     pub task_type: Option<String>,
+    /// What the attempt (or the task) came to; `running` and `queued` are state records.
     pub status: Status,
+    /// No further record follows (`final`): no retry, no other attempt.
     #[serde(rename = "final")]
     pub is_final: bool,
+    /// 1-based attempt number.
     pub attempt: u32,
+    /// The task's attempt budget.
     pub max_attempts: u32,
+    /// A process's or container's exit code.
     pub exit_code: Option<i32>,
+    /// The signal that killed the process (`SIGKILL`).
     pub signal: Option<String>,
+    /// An http task's response status.
     pub http_status: Option<u16>,
+    /// Output (stdout and stderr, or the response body), within the cap: head and tail when cut.
     pub output: String,
+    /// Whether the output was cut.
     pub output_truncated: bool,
+    /// Bytes the task produced in all.
     pub output_bytes: u64,
+    /// Why, in words (the limit that killed it, the invalid field).
     pub error: Option<String>,
+    /// The worker that wrote the record.
     pub worker_id: String,
+    /// The task's idempotency key.
     pub idempotency_key: Option<String>,
+    /// The task's shard.
     pub shard: Option<Shard>,
+    /// When the attempt started.
     pub started_at: DateTime<Utc>,
+    /// When it ended (for a state record: when it was written).
     pub finished_at: DateTime<Utc>,
+    /// Its running time.
     pub duration_ms: u64,
+    /// On a non-final `failed` or `timeout`: when the retry is due.
     pub retry_in_ms: Option<u64>,
     /// TASKS stream sequence of the message this record belongs to: tells a
     /// redelivery of the same message (which may take over a lost lease)
@@ -1214,18 +1287,29 @@ impl TaskResult {
 /// Value of a worker's key in KV `workers` (DESIGN.md section 6).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Heartbeat {
+    /// The worker id (`<name>-<random>`), also its key.
     pub id: String,
+    /// Its host.
     pub hostname: String,
+    /// Its process id.
     pub pid: u32,
+    /// jetworker's version.
     pub version: String,
+    /// The labels it serves.
     pub labels: Vec<String>,
     /// The types this worker runs.
     pub types: Vec<String>,
+    /// Tasks it runs at once at most.
     pub slots: usize,
+    /// Tasks running now.
     pub running: usize,
+    /// Their ids.
     pub tasks: Vec<String>,
+    /// When the worker started.
     pub started_at: DateTime<Utc>,
+    /// When this heartbeat was written.
     pub seen_at: DateTime<Utc>,
+    /// Attempts run since the start, by status.
     pub counts: BTreeMap<String, u64>,
 }
 

@@ -42,6 +42,7 @@ use crate::protocol::{
 /// One label's queue, as `jetworker queues --json` prints it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct QueueStats {
+    /// The label.
     pub label: String,
     /// When these numbers were read (ages count to this time).
     pub read_at: DateTime<Utc>,
@@ -263,7 +264,9 @@ pub async fn queue_stats(
 /// The answer to `pause` and `resume`: the label's state afterwards.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PauseState {
+    /// The label.
     pub label: String,
+    /// Whether its consumer is paused now.
     pub paused: bool,
     /// When the pause ends by itself (`None` while paused: until resumed).
     pub paused_until: Option<DateTime<Utc>>,
@@ -361,6 +364,7 @@ pub enum TaskState {
 }
 
 impl TaskState {
+    /// The name `status --json` prints (`running`).
     pub fn as_str(self) -> &'static str {
         match self {
             TaskState::Running => "running",
@@ -375,7 +379,9 @@ impl TaskState {
 /// One task's state, as `jetworker status <id> --json` prints it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TaskStatus {
+    /// The task's id.
     pub id: String,
+    /// Where it stands.
     pub state: TaskState,
     /// The task's label (from its last record, or its task message).
     pub label: Option<String>,
@@ -420,7 +426,9 @@ pub const SCAN_LIMIT: usize = 5000;
 pub enum Queued {
     /// A message with this id: its label and when it was published.
     Found {
+        /// Its label.
         label: String,
+        /// When it was stored.
         published_at: DateTime<Utc>,
     },
     /// No message with this id.

@@ -21,8 +21,9 @@ use crate::protocol::Names;
 #[derive(Debug, Clone)]
 pub struct SetupOptions {
     /// Replicas of every stream and bucket created (or, with
-    /// `update_existing`, updated); `None`: [`auto_replicas`].
+    /// `update_existing`, updated); `None`: `auto_replicas`.
     pub replicas: Option<usize>,
+    /// File or memory storage of every stream and bucket created.
     pub storage: StorageType,
     /// RESULTS max age.
     pub results_max_age: Duration,
@@ -93,7 +94,7 @@ pub fn auto_replicas(info: &async_nats::ServerInfo) -> usize {
 
 impl SetupOptions {
     /// The replica count to plan with: the chosen one, else
-    /// [`auto_replicas`] (the connected server's INFO, which can undercount
+    /// `auto_replicas` (the connected server's INFO, which can undercount
     /// a cluster; [`ensure_all`] corrects that when it creates the task
     /// stream).
     pub async fn resolve_replicas(&self, js: &jetstream::Context, _names: &Names) -> usize {
@@ -392,10 +393,10 @@ async fn place_tasks_stream(
 }
 
 /// Create or check everything; replicas chosen once for all of it:
-/// the chosen count, else [`auto_replicas`] — except on a cluster whose
+/// the chosen count, else `auto_replicas` — except on a cluster whose
 /// INFO names fewer than 3 nodes while the task stream does not exist yet,
-/// where the meta leader decides ([`place_tasks_stream`]): 3 if it can
-/// place them within [`FORMING_WAIT`], else the count from INFO.
+/// where the meta leader decides (`place_tasks_stream`): 3 if it can
+/// place them within `FORMING_WAIT`, else the count from INFO.
 pub async fn ensure_all(
     js: &jetstream::Context,
     names: &Names,

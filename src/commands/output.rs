@@ -85,10 +85,6 @@ impl Table {
         self.rows.push(row);
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.rows.is_empty()
-    }
-
     /// Column widths over the header and every row.
     pub fn widths(&self) -> Vec<usize> {
         let mut w: Vec<usize> = self.headers.iter().map(|h| visible_width(h)).collect();

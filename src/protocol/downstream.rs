@@ -41,6 +41,7 @@ pub enum JoinPolicy {
 }
 
 impl JoinPolicy {
+    /// The name on the wire (`all_success`).
     pub fn as_str(self) -> &'static str {
         match self {
             JoinPolicy::AllSuccess => "all_success",
@@ -67,6 +68,7 @@ impl std::str::FromStr for JoinPolicy {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct JoinSummary {
+    /// The join's policy.
     pub policy: JoinPolicy,
     /// Shards in the fan-out.
     pub total: u32,
@@ -120,6 +122,7 @@ pub struct JoinState {
 }
 
 impl JoinState {
+    /// Whether every shard is final.
     pub fn complete(&self) -> bool {
         self.done.len() as u64 >= u64::from(self.of)
     }
@@ -128,7 +131,9 @@ impl JoinState {
 /// A validated downstream task: what to publish, where, and when.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Child {
+    /// Its id (given, or derived from the parent's).
     pub id: String,
+    /// Where it is published (default: the parent's label).
     pub label: String,
     /// Final statuses of the parent that queue it (empty for a join).
     pub on: Vec<Status>,
@@ -140,7 +145,9 @@ pub struct Child {
 /// A validated `then_all`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Join {
+    /// The join task.
     pub task: Child,
+    /// When it runs.
     pub policy: JoinPolicy,
     /// The shards' common id (`<base>-<no>`): the join's PARENT_ID.
     pub base: String,

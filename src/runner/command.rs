@@ -167,6 +167,10 @@ fn separate_work_root() -> std::io::Result<PathBuf> {
 }
 
 impl ProcessRunner {
+    /// Runs processes with `shell` (for shell tasks) and the worker's
+    /// `pass_env`, as `user` if given, each in a fresh work directory (under
+    /// `state_dir`, or a root of their own for another user) and, with
+    /// `use_cgroups`, its own cgroup where the tree is writable.
     pub fn new(
         shell: Vec<String>,
         pass_env: &[String],

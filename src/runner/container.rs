@@ -178,6 +178,7 @@ pub struct WorkerIdentity {
     pub worker_name: String,
     /// Host name; containers of other hosts are never touched.
     pub host: String,
+    /// Process id.
     pub pid: u32,
     /// Start time in clock ticks since boot, where `/proc` has it.
     pub started: Option<u64>,

@@ -511,7 +511,7 @@ fn json_kind(v: &Value) -> &'static str {
 }
 
 /// Runs the tasks of one type defined in config.
-pub struct DefinedRunner {
+pub(crate) struct DefinedRunner {
     def: TypeDef,
     process: Option<Arc<ProcessRunner>>,
 }

@@ -2,7 +2,7 @@
 //! an `async fn(fields, TaskContext) -> anyhow::Result<()>`.
 //!
 //! The function runs as its own tokio task under the same supervision clock
-//! as processes and containers ([`super::supervise`]):
+//! as processes and containers (`runner::supervise`):
 //!
 //! - **cancel and shutdown**: [`TaskContext::cancelled`] fires; a function
 //!   that has not returned a kill grace later is aborted (dropped at its

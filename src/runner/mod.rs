@@ -12,17 +12,18 @@
 //!
 //! Runners enforce the timeout and the stop signal themselves, because how
 //! to stop differs (a process group, a container, a future); the process and
-//! container runners share one clock for it ([`supervise`]).
+//! container runners share one clock for it (`supervise`).
 
-pub mod command;
-pub mod container;
+pub(crate) mod command;
+pub(crate) mod container;
 pub mod defined;
-pub mod http;
+pub(crate) mod http;
 pub mod in_process;
 mod registry;
-pub mod shell;
+pub(crate) mod shell;
 mod supervise;
 
+pub use crate::output::{Captured, LiveOutput, OutputSink, StreamKind};
 pub(crate) use registry::{check_type_name, AnySpec};
 pub use registry::{fields_schema_of, Registry};
 
@@ -34,7 +35,6 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
-use crate::output::{Captured, LiveOutput};
 use crate::protocol::{Invalid, Status, Task};
 
 /// A task type: validates its own fields and runs attempts.
@@ -178,6 +178,7 @@ pub struct Stop {
 }
 
 impl Stop {
+    /// A signal not fired yet.
     pub fn new() -> Self {
         Self::default()
     }
@@ -186,9 +187,7 @@ impl Stop {
         let _ = self.reason.set((kind, reason.into()));
         self.token.cancel();
     }
-    pub fn is_fired(&self) -> bool {
-        self.token.is_cancelled()
-    }
+    /// Wait until the signal fires (at once if it has).
     pub async fn fired(&self) {
         self.token.cancelled().await
     }
@@ -215,9 +214,11 @@ pub fn timeout_reason(timeout: Duration) -> String {
 /// [`RunContext::new`] (the worker and tests alike), then adjusted.
 #[derive(Clone)]
 pub struct RunContext {
+    /// The validated task.
     pub task: Arc<Task>,
     /// 1-based attempt number (the delivery count).
     pub attempt: u32,
+    /// The id of the worker running it.
     pub worker_id: String,
     /// Whole attempt, kill included.
     pub timeout: Duration,
@@ -267,10 +268,15 @@ impl RunContext {
 pub struct Outcome {
     /// Success, Failed, Timeout or Cancelled.
     pub status: Status,
+    /// A process's or container's exit code.
     pub exit_code: Option<i32>,
+    /// The signal that killed the process (`SIGKILL`).
     pub signal: Option<String>,
+    /// An HTTP response's status.
     pub http_status: Option<u16>,
+    /// What the attempt printed, within the cap.
     pub output: Captured,
+    /// Why it did not succeed, in words.
     pub error: Option<String>,
     /// The attempt can never succeed on retry (the program does not exist
     /// or cannot be executed): the worker makes the result final at once.

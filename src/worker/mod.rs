@@ -1,15 +1,15 @@
 //! The worker daemon: start-up (connect, check the server, create the
 //! streams, consumers and buckets, retrying while the broker is not ready),
 //! one puller per label that never leases more messages than free slots,
-//! the task lifecycle ([`lifecycle`]), heartbeats, the cancel and workers
+//! the task lifecycle (`lifecycle`), heartbeats, the cancel and workers
 //! watches, the outbox, and the drain on shutdown (DESIGN.md sections 1, 5
 //! and 6).
 //!
-//! Layout: [`lifecycle`] handles one message and is the only code that
-//! answers the broker; [`records`] reads and builds the records on
-//! `results.<id>` (every write a compare-and-set); [`outbox`] is the one
-//! delivery loop for what must be stored; [`running`] is the registry of
-//! running tasks, whose guard unregisters on drop; [`readiness`] works out
+//! Layout: `lifecycle` handles one message and is the only code that
+//! answers the broker; `records` reads and builds the records on
+//! `results.<id>` (every write a compare-and-set); `outbox` is the one
+//! delivery loop for what must be stored; `running` is the registry of
+//! running tasks, whose guard unregisters on drop; `readiness` works out
 //! `/readyz` and what systemd hears (`READY=1`, watchdog, `STOPPING=1`).
 //!
 //! Shutdown: the `shutdown` token stops the pullers; running tasks get
@@ -20,12 +20,12 @@
 mod downstream;
 mod heartbeat;
 mod lifecycle;
-pub mod outbox;
+pub(crate) mod outbox;
 mod readiness;
 mod records;
 mod running;
 
-pub use readiness::ConnState;
+pub(crate) use readiness::ConnState;
 use readiness::Pull;
 
 use std::collections::{BTreeMap, HashMap};
@@ -56,14 +56,13 @@ const PULL_ANSWER_MARGIN: Duration = Duration::from_secs(2);
 const RESULT_OVERHEAD: usize = 16 * 1024;
 
 /// State shared by every part of one worker.
-pub struct Shared {
+pub(crate) struct Shared {
     pub cfg: WorkerConfig,
     /// `<name>-<random>`, unique per process.
     pub id: String,
     pub hostname: String,
-    pub client: async_nats::Client,
     /// A second connection for live output (`logs.<id>`), so a chatty task
-    /// can never delay progress acks and results on `client`.
+    /// can never delay progress acks and results on the main one (`js`).
     pub live_client: async_nats::Client,
     pub js: jetstream::Context,
     pub names: Names,
@@ -460,7 +459,6 @@ async fn run_as(
     let sh = Arc::new(Shared {
         id: id.clone(),
         hostname,
-        client: client.clone(),
         live_client,
         js,
         names,

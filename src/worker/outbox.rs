@@ -39,15 +39,18 @@ use super::Shared;
 /// One message to publish durably.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Entry {
+    /// Where to publish.
     pub subject: String,
     /// `Nats-Msg-Id`, also the file name.
     pub msg_id: String,
+    /// Other headers.
     pub headers: Vec<(String, String)>,
     /// Compare-and-set: the stream sequence the subject's last message must
     /// have (`Nats-Expected-Last-Subject-Sequence`; 0 = no message yet).
     /// `None` for subjects without a state machine (DEAD).
     #[serde(default)]
     pub expected_last_seq: Option<u64>,
+    /// The message body (stored after the JSON line).
     #[serde(skip)]
     pub payload: Bytes,
 }
@@ -315,6 +318,7 @@ fn file_name(msg_id: &str) -> String {
 }
 
 impl Outbox {
+    /// The outbox under `state_dir` (`outbox/`), created if missing.
     pub fn open(state_dir: &Path) -> std::io::Result<Self> {
         let dir = state_dir.join("outbox");
         std::fs::create_dir_all(&dir)?;
@@ -335,6 +339,7 @@ impl Outbox {
         Ok(path)
     }
 
+    /// Forget a delivered entry.
     pub fn remove(&self, path: &Path) {
         let _ = std::fs::remove_file(path);
     }
@@ -402,6 +407,7 @@ impl Outbox {
             .unwrap_or(0)
     }
 
+    /// Whether nothing waits.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

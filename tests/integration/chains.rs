@@ -58,9 +58,9 @@ pub async fn tasks_published(js: &jetstream::Context) -> u64 {
 /// a test sees what the queue-once guard does where `Nats-Msg-Id` no
 /// longer de-duplicates.
 async fn tasks_stream_with_short_dedup(js: &jetstream::Context) {
-    let mut cfg = jetworker::setup::tasks_stream_config(
+    let mut cfg = jetworker::internals::tasks_stream_config(
         &Names::default(),
-        &jetworker::setup::SetupOptions::default(),
+        &jetworker::internals::SetupOptions::default(),
         false,
     );
     cfg.duplicate_window = Duration::from_secs(1);

@@ -14,8 +14,8 @@ use bollard::query_parameters::{
 };
 use bollard::Docker;
 use futures::StreamExt;
+use jetworker::internals::{ContainerRunner, WorkerIdentity, LABEL_TASK_ID};
 use jetworker::protocol::{parse_task, Envelope, Status, ValidationLimits};
-use jetworker::runner::container::{ContainerRunner, WorkerIdentity, LABEL_TASK_ID};
 use jetworker::runner::StopKind;
 
 use crate::runner_ctx::{context, task, RunTask};

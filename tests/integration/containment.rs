@@ -12,8 +12,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use jetworker::internals::ProcessRunner;
 use jetworker::protocol::Status;
-use jetworker::runner::command::ProcessRunner;
 
 use crate::runner_ctx::{context, task, RunTask};
 use crate::util::*;
@@ -25,7 +25,7 @@ fn require_root_and_cgroups() {
         nix::unistd::geteuid().is_root(),
         "containment tests need root (CI runs them as root)"
     );
-    if let Err(why) = jetworker::cgroup::Cgroups::detect() {
+    if let Err(why) = jetworker::internals::Cgroups::detect() {
         panic!("containment tests need a writable cgroup tree: {why}");
     }
 }
@@ -147,7 +147,7 @@ fn cmdline(pid: i32) -> String {
 }
 
 fn start_time(pid: i32) -> u64 {
-    jetworker::process::start_time(pid as u32).expect("process exists")
+    jetworker::internals::start_time(pid as u32).expect("process exists")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -633,7 +633,7 @@ async fn labels_are_served_fairly() {
     let js = srv.js().await;
     // Queue both labels first, then start one worker with one slot.
     let setup = async_nats::jetstream::new(srv.client().await);
-    jetworker::setup::ensure_all(&setup, &Default::default(), &Default::default())
+    jetworker::internals::ensure_all(&setup, &Default::default(), &Default::default())
         .await
         .unwrap();
     for i in 0..6 {

@@ -434,7 +434,7 @@ async fn tasks_run_as_the_task_user() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_task_cgroup_bounds_the_whole_tree() {
-    if let Err(why) = jetworker::cgroup::Cgroups::detect() {
+    if let Err(why) = jetworker::internals::Cgroups::detect() {
         skip(&format!(
             "per_task_cgroup_bounds_the_whole_tree: no writable cgroup tree ({why})"
         ));

@@ -13,8 +13,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{any, get};
 use axum::Router;
+use jetworker::internals::HttpRunner;
 use jetworker::protocol::Status;
-use jetworker::runner::http::HttpRunner;
 use jetworker::runner::StopKind;
 
 use crate::runner_ctx::{context, task, RunTask, TEST_OUTPUT_CAP};

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use jetworker::internals::{Entry, Outbox};
 use jetworker::protocol::{Status, TaskResult};
-use jetworker::worker::outbox::{Entry, Outbox};
 
 use crate::proxy::Proxy;
 use crate::util::*;

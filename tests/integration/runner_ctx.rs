@@ -7,10 +7,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use jetworker::internals::ContainerRunner;
+use jetworker::internals::HttpRunner;
+use jetworker::internals::{ProcessRunner, ProcessSpec};
 use jetworker::protocol::{parse_task, Envelope, Task, ValidationLimits};
-use jetworker::runner::command::{ProcessRunner, ProcessSpec};
-use jetworker::runner::container::ContainerRunner;
-use jetworker::runner::http::HttpRunner;
 use jetworker::runner::{run_attempt, Outcome, RunContext};
 
 /// Output cap used by runner tests (small, so truncation is easy to hit).

@@ -511,7 +511,7 @@ async fn ui_views_render_results_dead_letters_and_schedules() {
     h.insert("Jetworker-Task-Id", "lost-1");
     h.insert("Jetworker-Label", "default");
     h.insert("Jetworker-Status", "dead");
-    jetworker::setup::ensure_all(&js_ctx, &Default::default(), &Default::default())
+    jetworker::internals::ensure_all(&js_ctx, &Default::default(), &Default::default())
         .await
         .unwrap();
     js_ctx

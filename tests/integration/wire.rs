@@ -2,8 +2,8 @@
 //! (and the examples users copy) must keep parsing. A change that breaks
 //! one of these breaks every publisher that sends it.
 
+use jetworker::internals::ContainerSpec;
 use jetworker::protocol::{parse_task, Envelope, Task, ValidationLimits};
-use jetworker::runner::container::ContainerSpec;
 
 fn parse_dir(dir: &str) -> Vec<(String, Task)> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
