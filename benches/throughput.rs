@@ -493,15 +493,7 @@ async fn main() {
     wait_empty(&js, &Names::default().tasks_stream).await;
     stop_tap.cancel();
     // The worker's own overhead: no-op in-process tasks.
-    let noop_rate = throughput(
-        &js,
-        &noop_path,
-        &mut results,
-        &url,
-        &format!("n{run}-"),
-        n,
-    )
-    .await;
+    let noop_rate = throughput(&js, &noop_path, &mut results, &url, &format!("n{run}-"), n).await;
     wait_empty(&js, &Names::default().tasks_stream).await;
     let noop_lat = paced(
         &js,
