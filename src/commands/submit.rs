@@ -117,6 +117,20 @@ struct Published<'a> {
     at: Option<DateTime<Utc>>,
 }
 
+/// A task of a type neither built in nor defined in the config file is
+/// only checked as far as its envelope: say so, since a typo would
+/// otherwise surface only as `dead` once no worker takes it.
+fn not_known_here(ty: &str, known: bool) {
+    if !known {
+        let builtin = ["shell", "command", "http", "container"];
+        eprintln!(
+            "note: type `{ty}` is not built in or defined in this config{}; its fields are not \
+             checked here, and it waits for a worker of the label that runs it",
+            crate::suggest::hint(ty, builtin)
+        );
+    }
+}
+
 /// A random task id: 16 lowercase letters and digits.
 pub fn random_id() -> String {
     Alphanumeric
@@ -148,12 +162,13 @@ pub async fn run(ctx: &super::Ctx, args: SubmitArgs) -> anyhow::Result<Exit> {
         None => {
             let mut m = base.clone();
             m.id = Some(base_id.clone());
-            let (bytes, _) = validate_locally(
+            let (bytes, task) = validate_locally(
                 &label,
                 &m,
                 Origin::Direct { msg_id: &base_id },
                 &ctx.type_defs,
             )?;
+            not_known_here(&task.task_type, task.runnable());
             tasks.push((base_id.clone(), bytes));
         }
         Some(0) => bail!("--shards: must be at least 1"),
