@@ -775,7 +775,7 @@ fn unknown_field_name(msg: &str) -> Option<String> {
     Some(rest.split('`').next()?.to_string())
 }
 
-fn json_kind(v: &serde_json::Value) -> &'static str {
+pub(crate) fn json_kind(v: &serde_json::Value) -> &'static str {
     match v {
         serde_json::Value::Null => "null",
         serde_json::Value::Bool(_) => "a boolean",

@@ -114,10 +114,20 @@ impl Runner for CommandRunner {
     }
 
     async fn run(&self, spec: &ProcessSpec, ctx: RunContext) -> Outcome {
-        match &self.process {
-            Some(p) => p.run(spec, ctx).await,
-            None => Outcome::failed("internal error: a validation-only runner cannot run tasks"),
-        }
+        run_on(self.process.as_deref(), spec, ctx).await
+    }
+}
+
+/// Run a process attempt on `process`, the runner of the shell, command
+/// and config-defined types (`None`: a validation-only runner).
+pub(crate) async fn run_on(
+    process: Option<&ProcessRunner>,
+    spec: &ProcessSpec,
+    ctx: RunContext,
+) -> Outcome {
+    match process {
+        Some(p) => p.run(spec, ctx).await,
+        None => Outcome::validation_only(),
     }
 }
 

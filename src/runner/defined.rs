@@ -30,7 +30,7 @@ use serde_json::{json, Value};
 
 use super::command::{ProcessRunner, ProcessSpec};
 use super::{check_type_name, Fields, Outcome, RunContext, Runner};
-use crate::protocol::{Invalid, Task, ENVELOPE_FIELDS};
+use crate::protocol::{json_kind, Invalid, Task, ENVELOPE_FIELDS};
 
 /// What a field holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -499,17 +499,6 @@ fn field_def(ty: &str, name: &str, spec: &toml::Value) -> Result<FieldDef, Strin
     })
 }
 
-fn json_kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
 /// Runs the tasks of one type defined in config.
 pub(crate) struct DefinedRunner {
     def: TypeDef,
@@ -547,10 +536,7 @@ impl Runner for DefinedRunner {
     }
 
     async fn run(&self, spec: &ProcessSpec, ctx: RunContext) -> Outcome {
-        match &self.process {
-            Some(p) => p.run(spec, ctx).await,
-            None => Outcome::failed("internal error: a validation-only runner cannot run tasks"),
-        }
+        super::command::run_on(self.process.as_deref(), spec, ctx).await
     }
 }
 

@@ -170,7 +170,7 @@ impl Runner for HttpRunner {
     /// Run one attempt; every failure is an outcome.
     async fn run(&self, spec: &HttpSpec, ctx: RunContext) -> Outcome {
         let Some(client) = &self.client else {
-            return Outcome::failed("internal error: a validation-only runner cannot run tasks");
+            return Outcome::validation_only();
         };
         let request = match self.build_request(client, spec, &ctx) {
             Ok(r) => r,

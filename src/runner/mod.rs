@@ -310,6 +310,11 @@ impl Outcome {
         }
     }
 
+    /// What a validation-only runner (the CLI's) answers if asked to run.
+    pub(crate) fn validation_only() -> Self {
+        Outcome::failed("internal error: a validation-only runner cannot run tasks")
+    }
+
     /// A program that can never start: final at once, no retries.
     pub fn cannot_start(error: impl Into<String>) -> Self {
         Outcome {

@@ -74,9 +74,6 @@ impl Runner for ShellRunner {
     }
 
     async fn run(&self, spec: &ProcessSpec, ctx: RunContext) -> Outcome {
-        match &self.process {
-            Some(p) => p.run(spec, ctx).await,
-            None => Outcome::failed("internal error: a validation-only runner cannot run tasks"),
-        }
+        super::command::run_on(self.process.as_deref(), spec, ctx).await
     }
 }
