@@ -137,7 +137,7 @@ pub async fn run(ctx: &Ctx, args: UiArgs) -> anyhow::Result<Exit> {
     let addr = listener.local_addr()?;
     let security = auth::Security::new(token, args.allow_actions, addr, args.insecure_no_auth);
     let hub = hub::Hub::start(conn.clone());
-    let app = Arc::new(routes::App::new(conn, hub, security));
+    let app = Arc::new(routes::App::new(conn, hub, security, &ctx.type_defs));
     let stop = app.shutdown.clone();
     crate::commands::output::ready(&format!("ui on http://{addr}/"))?;
     axum::serve(listener, routes::router(app))

@@ -49,10 +49,18 @@ pub(crate) struct App {
     pub index: String,
     /// Ends the event streams at shutdown (they would hold it up).
     pub shutdown: CancellationToken,
+    /// The task schema: the built-in types and the config file's.
+    pub schema: serde_json::Value,
 }
 
 impl App {
-    pub(crate) fn new(conn: Conn, hub: Arc<Hub>, security: Security) -> App {
+    /// The app; `/api/schema` covers the built-in types and `defined`.
+    pub(crate) fn new(
+        conn: Conn,
+        hub: Arc<Hub>,
+        security: Security,
+        defined: &[crate::runner::defined::TypeDef],
+    ) -> App {
         let index = INDEX_HTML
             .replace("{{CSRF}}", &security.csrf)
             .replace(
@@ -66,6 +74,7 @@ impl App {
             security,
             index,
             shutdown: CancellationToken::new(),
+            schema: crate::commands::schema::task_schema(defined),
         }
     }
 }
@@ -205,6 +214,6 @@ async fn schedules(State(app): State<Arc<App>>) -> Response {
     api(history::schedules(&app.conn).await)
 }
 
-async fn schema() -> Response {
-    Json(crate::commands::schema::task_schema(&[])).into_response()
+async fn schema(State(app): State<Arc<App>>) -> Response {
+    Json(app.schema.clone()).into_response()
 }
