@@ -423,6 +423,7 @@ impl ProcessRunner {
                 drain: PIPE_DRAIN,
                 kill_confirm: None,
                 what: "the process",
+                kill: "SIGKILL",
             },
         )
         .await;

@@ -828,6 +828,7 @@ async fn supervise(
             drain: LOG_DRAIN,
             kill_confirm: Some(KILL_CONFIRM),
             what: "the container",
+            kill: "SIGKILL",
         },
     )
     .await;

@@ -207,6 +207,7 @@ where
                 drain: OUTPUT_DRAIN,
                 kill_confirm: Some(Duration::from_secs(1)),
                 what: "the function",
+                kill: "the abort",
             },
         )
         .await;

@@ -62,6 +62,8 @@ pub(crate) struct Clock {
     pub kill_confirm: Option<Duration>,
     /// What is supervised, for the give-up message ("the container").
     pub what: &'static str,
+    /// How it is killed, for the same message ("SIGKILL", "the abort").
+    pub kill: &'static str,
 }
 
 /// Drive one attempt from start to end. `deadline` is the end of the
@@ -126,9 +128,10 @@ pub(crate) async fn supervise<S: Supervised, O: OutputSource>(
             }
             _ = sleep_until(give_up_at.unwrap_or(far)), if running && give_up_at.is_some() => {
                 s.exit = Some(Err(format!(
-                    "{} did not stop within {} of SIGKILL",
+                    "{} did not stop within {} of {}",
                     clock.what,
-                    humantime::format_duration(clock.kill_confirm.unwrap_or_default())
+                    humantime::format_duration(clock.kill_confirm.unwrap_or_default()),
+                    clock.kill
                 )));
                 output_done = true;
             }
