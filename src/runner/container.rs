@@ -343,7 +343,21 @@ impl ContainerRunner {
     /// Validation only (the CLI): tasks may name `allowed_networks`; the
     /// engine is never contacted unless a task is run.
     pub(crate) fn validator(allowed_networks: Vec<String>) -> Self {
-        Self::new(None, None, allowed_networks, "cli", "cli")
+        ContainerRunner {
+            endpoint: String::new(),
+            docker: tokio::sync::Mutex::new(None),
+            default_network: None,
+            // Never labels a container: no host name or /proc to read.
+            me: WorkerIdentity {
+                worker_id: String::new(),
+                worker_name: String::new(),
+                host: String::new(),
+                pid: 0,
+                started: None,
+                pidns: None,
+            },
+            allowed_networks,
+        }
     }
 
     /// This worker's identity as labelled on its containers.
