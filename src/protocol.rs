@@ -738,7 +738,17 @@ pub fn parse_message(bytes: &[u8]) -> Result<TaskMessage, Invalid> {
             format!("task must be a JSON object, not {}", json_kind(&value)),
         ));
     }
-    let msg: TaskMessage = serde_path_to_error::deserialize(value).map_err(|e| {
+    deserialize_named(value)
+}
+
+/// Deserialize JSON into `T`; the error names the field by its path
+/// (`retry.max_attempts`, `args[1]`), with a "did you mean" for an unknown
+/// one. The task message and every type's fields ([`crate::runner::Fields`])
+/// go through here.
+pub(crate) fn deserialize_named<T: serde::de::DeserializeOwned>(
+    value: serde_json::Value,
+) -> Result<T, Invalid> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner().to_string();
         // serde names the offending key of an unknown field itself.
@@ -748,8 +758,7 @@ pub fn parse_message(bytes: &[u8]) -> Result<TaskMessage, Invalid> {
             path
         };
         Invalid::new(field, unknown_field_hint(&inner).unwrap_or(inner))
-    })?;
-    Ok(msg)
+    })
 }
 
 /// serde's "unknown field `x`, expected one of `a`, `b`, …" (every field

@@ -143,16 +143,7 @@ impl Fields {
     /// Deserialize the fields into a struct; a field of the wrong type is
     /// an error naming it (`args[1]`).
     pub fn parse<T: DeserializeOwned>(&self) -> Result<T, Invalid> {
-        serde_path_to_error::deserialize(serde_json::Value::Object(self.0.clone())).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner().to_string();
-            let field = if path == "." {
-                "(message)".to_string()
-            } else {
-                path
-            };
-            Invalid::new(field, inner)
-        })
+        crate::protocol::deserialize_named(serde_json::Value::Object(self.0.clone()))
     }
 }
 
