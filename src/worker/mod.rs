@@ -397,7 +397,14 @@ async fn run_as(
     let runners = registry(&cfg, process.clone(), container.clone(), custom)?;
     let available = runners.available().await;
     let types: Vec<String> = match &cfg.types {
-        None => available,
+        None => {
+            for t in runners.names() {
+                if !available.iter().any(|a| a == t) {
+                    warn!(r#type = %t, "task type not available on this machine; not advertised");
+                }
+            }
+            available
+        }
         Some(chosen) => {
             for t in chosen {
                 if !runners.contains(t) {
@@ -418,11 +425,6 @@ async fn run_as(
             chosen.clone()
         }
     };
-    for t in runners.names() {
-        if !types.iter().any(|x| x == t) && cfg.types.is_none() {
-            warn!(r#type = %t, "task type not available on this machine; not advertised");
-        }
-    }
     if types.iter().any(|t| t == "container") {
         let removed = container.remove_leftovers().await;
         if removed > 0 {
