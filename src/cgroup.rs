@@ -102,11 +102,6 @@ fn own_cgroups() -> Vec<(String, String)> {
         .collect()
 }
 
-fn gettid() -> i64 {
-    // SAFETY: gettid has no arguments and cannot fail.
-    unsafe { libc::syscall(libc::SYS_gettid) }
-}
-
 /// The pids listed in a `cgroup.procs` file. Opened afresh each time: a
 /// v1 kernel caches the list per open file for a second after a read, so a
 /// kept-open file would show stale (for instance empty) lists.
@@ -350,7 +345,10 @@ impl Cgroups {
         let Kind::V1 { memory, pids, cpu } = &self.kind else {
             return Ok(spawn());
         };
-        let tid = gettid().to_string();
+        // "0" names the calling thread: the kernel then moves it without
+        // the global thread-group lock a numeric tid takes (7x cheaper
+        // here, and it does not stall every fork and exit meanwhile).
+        let tid = "0";
         let homes: Vec<&File> = [Some(memory), pids.as_ref(), cpu.as_ref()]
             .into_iter()
             .flatten()
