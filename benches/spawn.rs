@@ -214,6 +214,10 @@ impl Results {
                 continue;
             }
             let r: TaskResult = serde_json::from_slice(&m.payload).unwrap();
+            if r.is_state() {
+                // The `running` claim before the result.
+                continue;
+            }
             assert_eq!(r.status, Status::Success, "{} {:?}", r.id, r.error);
             if r.is_final {
                 return (r, at);
