@@ -246,10 +246,18 @@ pub fn logs_stream_name(names: &crate::protocol::Names) -> String {
 /// while by the logs stream where it exists). Cheap to clone; each
 /// attempt's chunks go through an [`OutputSink`], which coalesces and
 /// rate-caps them.
+///
+/// An attempt goes live only at its first flush: one that ends before it
+/// (no output, or less than 4 KiB of it within its first 100 ms)
+/// publishes nothing at all, not even its `eof`; its
+/// record says so (`"live": false`) and followers show the stored output.
+/// Most short tasks thus cost the broker nothing on the live stream.
 #[derive(Clone)]
 pub struct LiveOutput {
     client: async_nats::Client,
     subject: async_nats::Subject,
+    /// Whether anything of this attempt was published (shared by clones).
+    published: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl LiveOutput {
@@ -258,19 +266,32 @@ impl LiveOutput {
         LiveOutput {
             client,
             subject: subject.into(),
+            published: Default::default(),
         }
     }
 
     async fn publish(&self, h: async_nats::HeaderMap, data: Bytes) {
+        self.published
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = self
             .client
             .publish_with_headers(self.subject.clone(), h, data)
             .await;
     }
 
+    /// Whether any of this attempt's output went to the live stream (then
+    /// it ends with an `eof`); `false` goes into the record as `live`.
+    pub fn published(&self) -> bool {
+        self.published.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Tell followers this attempt's output is complete, and whether its
-    /// result is final (no retry follows).
+    /// result is final (no retry follows). Nothing for an attempt that
+    /// never went live: its record carries its output.
     pub async fn end(&self, is_final: bool) {
+        if !self.published() {
+            return;
+        }
         let mut h = async_nats::HeaderMap::new();
         h.insert(HEADER_STREAM, "eof");
         h.insert(HEADER_FINAL, if is_final { "true" } else { "false" });
@@ -334,7 +355,11 @@ async fn publish_live(
         };
         match msg {
             None => {
-                flush(std::mem::take(&mut pending), kind, &mut skipped).await;
+                // The attempt is over. What never went live stays off the
+                // live stream: the record has it (`live: false`).
+                if live.published() || skipped > 0 {
+                    flush(std::mem::take(&mut pending), kind, &mut skipped).await;
+                }
                 return;
             }
             Some(LiveMsg::Skipped(n)) => skipped += n,

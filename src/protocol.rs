@@ -1240,6 +1240,21 @@ pub struct TaskResult {
     /// The id of the task that queued this one (`parent`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
+    /// Whether the attempt's output went to the live stream (`logs.<id>`,
+    /// ended by an `eof`). Written only as `false`: the attempt ended
+    /// before its first live flush, nothing of it was published live, and
+    /// a follower shows the output stored here instead (DESIGN.md section
+    /// 2, live output). Absent means `true`.
+    #[serde(default = "live_default", skip_serializing_if = "is_live_default")]
+    pub live: bool,
+}
+
+fn live_default() -> bool {
+    true
+}
+
+fn is_live_default(live: &bool) -> bool {
+    *live
 }
 
 impl TaskResult {
@@ -1283,6 +1298,7 @@ impl TaskResult {
             children: Vec::new(),
             join: None,
             parent: None,
+            live: true,
         }
     }
 

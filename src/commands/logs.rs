@@ -12,6 +12,9 @@
 //! on stderr, and at the end the final status. Once its subscription is in
 //! place it prints the ready line `jetworker: following <id>` on stderr.
 //! It ends at the final attempt's `eof` or when a final result appears.
+//! An attempt that ended before its first live flush published nothing
+//! live (its record says `"live": false`): the follower prints the output
+//! stored in that record instead, so every attempt's output shows once.
 //!
 //! `--json`: one JSON object per line, all of the same shape
 //! ([`LogLine`]): `event` is `output`, `skipped`, `attempt_end` or
@@ -29,7 +32,7 @@ use clap::Args;
 use futures::StreamExt;
 use serde::Serialize;
 
-use super::common::{header, Conn, OrderedReader};
+use super::common::{header, parse_result, Conn, OrderedReader};
 use super::Exit;
 use crate::output::{logs_stream_name, HEADER_ATTEMPT, HEADER_SKIPPED};
 use crate::protocol::{valid_id, Status, TaskResult};
@@ -179,6 +182,16 @@ impl Printer {
         Ok(())
     }
 
+    /// An attempt that never went live (`live: false`): the output its
+    /// record stores, and its end.
+    fn stored_attempt(&mut self, r: &TaskResult) -> anyhow::Result<()> {
+        if !r.output.is_empty() {
+            self.output(Some(r.attempt), "stdout", r.output.as_bytes())?;
+        }
+        self.attempt = Some(r.attempt);
+        self.attempt_end(r.is_final)
+    }
+
     fn result(&self, r: &TaskResult) -> anyhow::Result<()> {
         if self.json {
             return self.line(&LogLine::result(r, false));
@@ -279,34 +292,62 @@ fn print_stored(r: &TaskResult, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A task's final result, watched in the background from `since_seq` (the
-/// RESULTS sequence read before looking at the last record); the watch
-/// stops when this is dropped.
-pub(crate) struct FinalWatch {
-    pub rx: tokio::sync::oneshot::Receiver<TaskResult>,
+/// A task's attempt records (not its `running`/`queued` states), from the
+/// first the result stream keeps, watched in the background, until the
+/// final one: what a follower needs besides the live stream — the output
+/// of each attempt that never went live (`live: false`: it ended before its
+/// first flush, and its record carries the output) and the final result.
+/// The watch stops when this is dropped.
+pub(crate) struct RecordWatch {
+    pub rx: tokio::sync::mpsc::UnboundedReceiver<TaskResult>,
     task: tokio::task::JoinHandle<()>,
 }
 
-impl FinalWatch {
-    pub(crate) fn start(conn: &Conn, id: &str, since_seq: u64) -> FinalWatch {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let conn = conn.clone();
-        let ids = vec![id.to_string()];
+impl RecordWatch {
+    pub(crate) async fn start(conn: &Conn, id: &str) -> anyhow::Result<RecordWatch> {
+        let results = conn.ensure_results().await?;
+        let mut reader = OrderedReader::open(
+            &results,
+            vec![conn.names.result_subject(id)],
+            DeliverPolicy::All,
+        )
+        .await?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let task = tokio::spawn(async move {
-            let mut tx = Some(tx);
-            let _ = conn
-                .wait_finals(&ids, since_seq, None, |r| {
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(r.clone());
-                    }
-                })
-                .await;
+            while let Ok(Some(m)) = reader.next().await {
+                let Ok(r) = parse_result(&m.payload) else {
+                    continue;
+                };
+                if r.is_state() {
+                    continue;
+                }
+                let done = r.is_final;
+                if tx.send(r).is_err() || done {
+                    return;
+                }
+            }
         });
-        FinalWatch { rx, task }
+        Ok(RecordWatch { rx, task })
+    }
+
+    /// The final record, skipping the attempts before it, if it comes
+    /// within `wait`.
+    pub(crate) async fn final_within(&mut self, wait: Duration) -> Option<TaskResult> {
+        tokio::time::timeout(wait, async {
+            while let Some(r) = self.rx.recv().await {
+                if r.is_final {
+                    return Some(r);
+                }
+            }
+            None
+        })
+        .await
+        .ok()
+        .flatten()
     }
 }
 
-impl Drop for FinalWatch {
+impl Drop for RecordWatch {
     fn drop(&mut self) {
         self.task.abort();
     }
@@ -370,7 +411,6 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
 
     // Attach before looking at the results, so nothing falls between.
     let mut live = Live::open(&conn, &args.id).await?;
-    let since_seq = conn.results_last_seq().await;
     let results = conn.ensure_results().await?;
     eprintln!("jetworker: following {}", args.id);
     if let Some(r) = conn.last_result(&results, &args.id).await? {
@@ -384,8 +424,8 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
         }
     }
 
-    // The final result, watched beside the live output.
-    let mut final_rx = FinalWatch::start(&conn, &args.id, since_seq);
+    // The attempts' records, watched beside the live output.
+    let mut records = RecordWatch::start(&conn, &args.id).await?;
 
     let mut p = Printer {
         id: args.id.clone(),
@@ -395,37 +435,39 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
     let mut final_result = None;
     loop {
         tokio::select! {
+            // An attempt that never went live comes before what follows it.
+            biased;
+            r = records.rx.recv() => {
+                let Some(r) = r else { break };
+                if !r.live {
+                    p.stored_attempt(&r)?;
+                } else if r.is_final {
+                    // Chunks published just before the result may still
+                    // be on their way: take what comes in a moment.
+                    while let Ok(Ok(Some((h, payload)))) =
+                        tokio::time::timeout(Duration::from_millis(300), live.next()).await
+                    {
+                        if p.message(h.as_ref(), &payload)?.is_some() {
+                            break;
+                        }
+                    }
+                }
+                if r.is_final {
+                    final_result = Some(r);
+                    break;
+                }
+            }
             m = live.next() => {
                 let Some((h, payload)) = m? else { break };
                 if p.message(h.as_ref(), &payload)? == Some(true) {
                     break;
                 }
             }
-            r = &mut final_rx.rx, if final_result.is_none() => {
-                match r {
-                    Ok(r) => {
-                        final_result = Some(r);
-                        // Chunks published just before the result may still
-                        // be on their way: take what comes in a moment.
-                        while let Ok(Ok(Some((h, payload)))) =
-                            tokio::time::timeout(Duration::from_millis(300), live.next()).await
-                        {
-                            if p.message(h.as_ref(), &payload)?.is_some() {
-                                break;
-                            }
-                        }
-                        break;
-                    }
-                    Err(_) => break,
-                }
-            }
         }
     }
     if final_result.is_none() {
         // Ended at eof: the attempt's result follows its output closely.
-        if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(2), &mut final_rx.rx).await {
-            final_result = Some(r);
-        }
+        final_result = records.final_within(Duration::from_secs(2)).await;
     }
     if let Some(r) = &final_result {
         p.result(r)?;

@@ -2,7 +2,9 @@
 //! follows (the logs stream from its start, so a late page sees the output
 //! so far; a plain subscription where there is no logs stream), read with
 //! the same code, until the task's final result is stored. Then the page
-//! shows the stored output of every attempt instead.
+//! shows the stored output of every attempt instead. An attempt that ended
+//! before its first live flush published nothing live (`"live": false` in
+//! its record): its stored output is sent as its chunk.
 //!
 //! Events (JSON data): `chunk` `{attempt, stream, data}`, `skipped`
 //! `{attempt, bytes}`, `eof` `{final}` at the end of each attempt,
@@ -17,7 +19,7 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::commands::common::Conn;
-use crate::commands::logs::{FinalWatch, Live, LiveMsg};
+use crate::commands::logs::{Live, LiveMsg, RecordWatch};
 use crate::protocol::TaskResult;
 
 /// Events a slow page may have outstanding before the reader waits.
@@ -42,6 +44,18 @@ pub(crate) fn follow(conn: Conn, id: String) -> impl Stream<Item = Result<Event,
         rx,
         |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) },
     )
+}
+
+/// An attempt that never went live (`live: false`), as the live events
+/// it would have made: its stored output as one chunk, and its `eof`.
+async fn stored_attempt(tx: &mpsc::Sender<Event>, r: &TaskResult) -> Result<(), ()> {
+    if !r.output.is_empty() {
+        let chunk = json!({ "attempt": r.attempt, "stream": "stdout", "data": r.output });
+        tx.send(event("chunk", chunk)).await.map_err(|_| ())?;
+    }
+    tx.send(event("eof", json!({ "final": r.is_final })))
+        .await
+        .map_err(|_| ())
 }
 
 fn final_event(r: &TaskResult) -> Event {
@@ -83,7 +97,6 @@ async fn forward(
 async fn run(conn: &Conn, id: &str, tx: &mpsc::Sender<Event>) -> anyhow::Result<()> {
     // Attach before looking at the results, so nothing falls between.
     let mut live = Live::open(conn, id).await?;
-    let since_seq = conn.results_last_seq().await;
     if let Ok(results) = conn.stream(&conn.names.results_stream).await {
         if let Some(r) = conn.last_result(&results, id).await? {
             if r.is_final {
@@ -92,35 +105,44 @@ async fn run(conn: &Conn, id: &str, tx: &mpsc::Sender<Event>) -> anyhow::Result<
             }
         }
     }
-    let mut watch = FinalWatch::start(conn, id, since_seq);
-    let final_rx = &mut watch.rx;
+    let mut watch = RecordWatch::start(conn, id).await?;
     let outcome = async {
         loop {
             tokio::select! {
+                // An attempt that never went live comes before what follows it.
+                biased;
+                r = watch.rx.recv() => {
+                    let Some(r) = r else { return Ok(None) };
+                    if !r.live {
+                        // Nothing of it went live: its record has the output.
+                        if stored_attempt(tx, &r).await.is_err() {
+                            return Ok(None); // the page went away
+                        }
+                    } else if r.is_final {
+                        // Chunks published just before the result may
+                        // still be on their way: take what comes in a moment.
+                        while let Ok(Ok(Some((h, payload)))) =
+                            tokio::time::timeout(Duration::from_millis(300), live.next()).await
+                        {
+                            if !matches!(forward(tx, h.as_ref(), &payload).await, Ok(None)) {
+                                break;
+                            }
+                        }
+                    }
+                    if r.is_final {
+                        return Ok(Some(r));
+                    }
+                }
                 m = live.next() => {
                     let Some((h, payload)) = m? else { return Ok(None) };
                     match forward(tx, h.as_ref(), &payload).await {
                         Err(()) => return Ok(None), // the page went away
                         Ok(Some(true)) => {
                             // The final attempt's result follows its output.
-                            let r = tokio::time::timeout(Duration::from_secs(5), &mut *final_rx).await;
-                            return Ok(r.ok().and_then(Result::ok));
+                            return Ok(watch.final_within(Duration::from_secs(5)).await);
                         }
                         Ok(_) => {}
                     }
-                }
-                r = &mut *final_rx => {
-                    let Ok(r) = r else { return Ok(None) };
-                    // Chunks published just before the result may still be
-                    // on their way: take what comes in a moment.
-                    while let Ok(Ok(Some((h, payload)))) =
-                        tokio::time::timeout(Duration::from_millis(300), live.next()).await
-                    {
-                        if !matches!(forward(tx, h.as_ref(), &payload).await, Ok(None)) {
-                            break;
-                        }
-                    }
-                    return Ok(Some(r));
                 }
             }
         }

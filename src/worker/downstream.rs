@@ -91,6 +91,7 @@ async fn queue(sh: &Shared, c: &Child, message: &TaskMessage) -> Result<(), NotY
         msg_id: c.id.clone(),
         headers: Vec::new(),
         expected_last_seq: Some(0),
+        cas_only: false,
         payload: serde_json::to_vec(message)
             .expect("a task serializes")
             .into(),

@@ -498,6 +498,9 @@ async fn run(
 
     let mut r = base_result(sh, task, attempt, outcome.status, started, d);
     fill_outcome(&mut r, &outcome);
+    // The runner has handed all its output over: whether any went live is
+    // settled (an attempt that ended before its first flush published none).
+    r.live = live.published();
     let then = match (outcome.status, stop.reason().map(|r| r.0)) {
         (Status::Cancelled, Some(StopKind::Shutdown)) => {
             // Not an attempt: the next worker runs it again from the start.
@@ -735,6 +738,7 @@ async fn dead_copy(sh: &Shared, msg: &jetstream::Message, r: &TaskResult) -> Res
         msg_id: format!("dead-{}-{}", sh.names.tasks_stream, seq),
         headers,
         expected_last_seq: None,
+        cas_only: false,
         payload: msg.payload.clone(),
     };
     fit_dead_copy(&mut entry, sh.max_payload);
@@ -874,6 +878,7 @@ mod tests {
             msg_id: "dead-TASKS-1".into(),
             headers: vec![("Jetworker-Reason".into(), "too big".into())],
             expected_last_seq: None,
+            cas_only: false,
             payload: bytes::Bytes::from(vec![b'a'; 1 << 20]),
         };
         fit_dead_copy(&mut e, 1 << 20);

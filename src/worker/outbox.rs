@@ -41,8 +41,16 @@ use super::Shared;
 pub struct Entry {
     /// Where to publish.
     pub subject: String,
-    /// `Nats-Msg-Id`, also the file name.
+    /// The write's identity, also the file name: `Nats-Msg-Id`, or
+    /// [`HEADER_WRITE_ID`] where [`Entry::cas_only`] says so.
     pub msg_id: String,
+    /// The identity goes in [`HEADER_WRITE_ID`] instead of `Nats-Msg-Id`:
+    /// for the records of `results.<id>`, whose compare-and-set already
+    /// refuses a repeat (the sequence check comes before de-duplication), so
+    /// the broker's duplicate tracking would cost it a table entry per
+    /// write for nothing. The writer recognises its own write by the header.
+    #[serde(default)]
+    pub cas_only: bool,
     /// Other headers.
     pub headers: Vec<(String, String)>,
     /// Compare-and-set: the stream sequence the subject's last message must
@@ -54,6 +62,10 @@ pub struct Entry {
     #[serde(skip)]
     pub payload: Bytes,
 }
+
+/// The identity of a record on `results.<id>` (`<id>.<attempt>`, ...):
+/// how a writer recognises its own write after a lost PubAck.
+pub(crate) const HEADER_WRITE_ID: &str = "Jetworker-Write-Id";
 
 /// How long one publish may take before it counts as failed.
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
@@ -96,9 +108,12 @@ impl Entry {
                 self.wire_size()
             )));
         }
-        let mut m = PublishMessage::build()
-            .payload(self.payload.clone())
-            .message_id(&self.msg_id);
+        let mut m = PublishMessage::build().payload(self.payload.clone());
+        m = if self.cas_only {
+            m.header(HEADER_WRITE_ID, self.msg_id.as_str())
+        } else {
+            m.message_id(&self.msg_id)
+        };
         if let Some(seq) = self.expected_last_seq {
             m = m.expected_last_subject_sequence(seq);
         }
@@ -426,6 +441,7 @@ mod tests {
             msg_id: "a.1".into(),
             headers: vec![("Jetworker-Status".into(), "success".into())],
             expected_last_seq: Some(7),
+            cas_only: true,
             payload: Bytes::from_static(b"{\"x\":1}\n\xff binary"),
         };
         let p = o.store(&e).unwrap();

@@ -10,7 +10,7 @@
 
 use bytes::Bytes;
 
-use super::outbox::Entry;
+use super::outbox::{Entry, HEADER_WRITE_ID};
 use super::Shared;
 use crate::output::{self, Captured};
 use crate::protocol::{Status, TaskResult, HEADER_LABEL, HEADER_STATUS};
@@ -20,7 +20,8 @@ use crate::protocol::{Status, TaskResult, HEADER_LABEL, HEADER_STATUS};
 pub(crate) struct Last {
     /// Its stream sequence: what the next write must expect.
     pub seq: u64,
-    /// Its `Nats-Msg-Id`, to recognise one's own write after a lost PubAck.
+    /// Its write id (`Jetworker-Write-Id`; `Nats-Msg-Id` on records of
+    /// earlier versions), to recognise one's own write after a lost PubAck.
     pub msg_id: Option<String>,
     /// The record, if it parses (anything else on the subject is treated
     /// as a non-final state with no attempts).
@@ -48,10 +49,12 @@ pub(crate) async fn read_last_raw(sh: &Shared, subject: &str) -> anyhow::Result<
     {
         Ok(m) => Ok(Some(Last {
             seq: m.sequence,
-            msg_id: crate::protocol::header(
-                Some(&m.headers),
-                async_nats::header::NATS_MESSAGE_ID.as_ref(),
-            ),
+            msg_id: crate::protocol::header(Some(&m.headers), HEADER_WRITE_ID).or_else(|| {
+                crate::protocol::header(
+                    Some(&m.headers),
+                    async_nats::header::NATS_MESSAGE_ID.as_ref(),
+                )
+            }),
             record: serde_json::from_slice(&m.payload).ok(),
         })),
         Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
@@ -94,6 +97,7 @@ pub(crate) fn entry(sh: &Shared, r: &mut TaskResult, expected: u64, ran: bool) -
             (HEADER_LABEL.to_string(), r.label.clone()),
         ],
         expected_last_seq: Some(expected),
+        cas_only: true,
         payload: encode(r, sh.max_payload),
     }
 }

@@ -212,6 +212,7 @@ pub fn fake_result(id: &str, label: &str, status: Status, fin: bool, attempt: u3
         children: Vec::new(),
         join: None,
         parent: None,
+        live: true,
     }
 }
 

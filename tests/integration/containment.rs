@@ -480,3 +480,91 @@ async fn a_program_that_cannot_start_is_permanent() {
     assert!(!o.permanent, "an exit code is not permanent: {o:?}");
     runner.cleanup();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_attempts_stay_off_the_live_stream_and_followers_print_their_records() {
+    let srv = NatsServer::start();
+    let _w = InProcWorker::start(|_| {}, &srv.url());
+    let js = srv.js().await;
+    // Attached before the task exists: it sees every attempt as it ends.
+    let mut f = tokio::process::Command::new(jetworker_bin())
+        .args(["logs", "-f", "quick", "--server", &srv.url()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = tokio::io::BufReader::new(f.stderr.take().unwrap());
+    let mut line = String::new();
+    use tokio::io::AsyncBufReadExt;
+    tokio::time::timeout(T, err.read_line(&mut line))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(line.contains("following quick"), "ready line: {line:?}");
+    // Two attempts that end at once, each with a line of output.
+    let json = serde_json::json!({
+        "id": "quick", "type": "shell", "payload": "echo out-$ATTEMPT; exit 3",
+        "retry": {"max_attempts": 2, "backoff": "200ms"},
+    });
+    publish_task(&js, "default", &json.to_string()).await;
+    let mut rest = String::new();
+    tokio::time::timeout(
+        T,
+        tokio::io::AsyncReadExt::read_to_string(&mut err, &mut rest),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let out = tokio::time::timeout(T, f.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout, "out-1\nout-2\n", "stderr: {rest}");
+    assert!(rest.contains("a retry follows"), "{rest}");
+    assert!(rest.contains("attempt 2"), "{rest}");
+    assert!(rest.contains("quick failed"), "final status: {rest}");
+    assert_eq!(out.status.code(), Some(1));
+
+    // Each attempt's record says it never went live, and nothing did.
+    let results = all_results(&js, "quick").await;
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert!(results.iter().all(|r| !r.live), "{results:?}");
+    let logs = js.get_stream("LOGS").await.unwrap();
+    assert!(
+        logs.get_last_raw_message_by_subject("logs.quick")
+            .await
+            .is_err(),
+        "a short attempt published on logs.quick"
+    );
+
+    // An attempt that outlives the first flush goes live, ends with its
+    // eof, and its record says nothing (`live` absent means true).
+    let json = serde_json::json!({
+        "id": "slow", "type": "shell", "payload": "echo a; sleep 0.4; echo b",
+    });
+    publish_task(&js, "default", &json.to_string()).await;
+    let r = final_result(&js, "slow", T).await;
+    assert_eq!(r.status, Status::Success);
+    assert!(r.live, "{r:?}");
+    let raw = js
+        .get_stream("RESULTS")
+        .await
+        .unwrap()
+        .direct_get_last_for_subject("results.slow")
+        .await
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&raw.payload).contains("\"live\""),
+        "a live attempt's record carries no `live`"
+    );
+    let last = logs
+        .get_last_raw_message_by_subject("logs.slow")
+        .await
+        .expect("the live attempt published on logs.slow");
+    assert_eq!(
+        last.headers.get("Jetworker-Stream").map(|v| v.as_str()),
+        Some("eof"),
+        "the live stream ends with the attempt's eof"
+    );
+}

@@ -353,6 +353,7 @@ async fn stale_outbox_entry_replayed_after_a_final_is_dropped() {
             ("Jetworker-Label".into(), "default".into()),
         ],
         expected_last_seq: Some(claim.0),
+        cas_only: true,
         payload: serde_json::to_vec(&stale).unwrap().into(),
     };
     Outbox::open(a_state.path()).unwrap().store(&entry).unwrap();
