@@ -327,13 +327,15 @@ impl Cgroups {
     /// Give an attempt's cgroup back once the attempt is over: emptied
     /// (every process left is SIGKILLed), then pooled, or removed if it had
     /// limits.
-    pub async fn release(&self, t: TaskCgroup) {
-        t.empty().await;
-        if t.limited || !read_pids(&t.procs).is_empty() {
+    /// Whether it ended empty: nothing of the attempt is left running.
+    pub async fn release(&self, t: TaskCgroup) -> bool {
+        let emptied = t.empty().await;
+        if t.limited || !emptied {
             t.remove();
         } else {
             self.pool.lock().unwrap().push(t);
         }
+        emptied
     }
 
     /// Run `spawn` so that the process it starts is born inside `t`: on v1
@@ -483,11 +485,12 @@ impl TaskCgroup {
     }
 
     /// Kill every process left in the cgroup and wait (up to a second and
-    /// a half) until it is empty. One read when it is empty already.
-    pub async fn empty(&self) {
+    /// a half) until it is empty; whether it is. One read when it is empty
+    /// already.
+    pub async fn empty(&self) -> bool {
         let mut pids = read_pids(&self.procs);
         if pids.is_empty() {
-            return;
+            return true;
         }
         if self.v2 && write(&self.dir.join("cgroup.kill"), "1").is_ok() {
             pids.clear();
@@ -497,10 +500,11 @@ impl TaskCgroup {
             tokio::time::sleep(Duration::from_millis(10)).await;
             pids = read_pids(&self.procs);
             if pids.is_empty() {
-                return;
+                return true;
             }
         }
         tracing::warn!(cgroup = %self.dir.display(), "processes survived SIGKILL in a task cgroup");
+        false
     }
 
     /// Whether the kernel OOM-killed something in this cgroup (meaningful

@@ -280,6 +280,13 @@ pub fn group_alive(pgid: u32) -> bool {
     pgid > 1 && killpg(Pid::from_raw(pgid as i32), None).is_ok()
 }
 
+/// Whether a process with this pid exists (a zombie counts).
+pub fn pid_alive(pid: u32) -> bool {
+    pid > 0
+        && nix::sys::signal::kill(Pid::from_raw(pid as i32), None)
+            .map_or_else(|e| e == nix::errno::Errno::EPERM, |()| true)
+}
+
 /// Start time of a process (clock ticks since boot), from `/proc`; `None`
 /// when it is gone or a zombie.
 pub fn start_time(pid: u32) -> Option<u64> {

@@ -118,10 +118,28 @@ async fn escapees_die_after_worker_sigkill_and_restart() {
         nix::unistd::Pid::from_raw(watchdog),
         nix::sys::signal::Signal::SIGKILL,
     );
+    let dead_pid = w.pid();
     w.kill();
     assert!(pid_alive(pid), "nothing but the sweep should kill it");
+    let work = state.path().join("work");
+    let left = || {
+        std::fs::read_dir(&work)
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                let name = e.file_name();
+                name.to_string_lossy()
+                    .starts_with(&format!("w-{dead_pid}-"))
+            })
+            .count()
+    };
+    assert_eq!(left(), 1, "the crashed attempt's working directory");
     let _w2 = ProcWorker::start_in(&srv.url(), state.path(), &[]);
     gone(pid, "the escapee to die when the worker starts again").await;
+    wait_for(T, "the dead worker's working directories to go", || async {
+        (left() == 0).then_some(())
+    })
+    .await;
 }
 
 fn children_of(pid: i32) -> Vec<i32> {
@@ -567,4 +585,41 @@ async fn short_attempts_stay_off_the_live_stream_and_followers_print_their_recor
         Some("eof"),
         "the live stream ends with the attempt's eof"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn working_directories_are_reused_only_empty_and_as_made() {
+    require_root_and_cgroups();
+    let srv = NatsServer::start();
+    let w = InProcWorker::start(|c| c.slots = 1, &srv.url());
+    let js = srv.js().await;
+    let run = |id: &'static str, script: &'static str| {
+        let js = js.clone();
+        async move {
+            let json = serde_json::json!({"id": id, "type": "shell", "payload": script});
+            publish_task(&js, "default", &json.to_string()).await;
+            let r = final_result(&js, id, T).await;
+            assert_eq!(r.status, Status::Success, "{id}: {r:?}");
+            r.output
+        }
+    };
+    // A task that leaves a file: its directory is removed, not reused.
+    let a = run("wd-a", "touch left-behind; pwd").await;
+    let a = a.trim().to_string();
+    assert!(!Path::new(&a).exists(), "{a} kept with a file in it");
+    // The next ones start empty; an empty directory is handed on.
+    let b = run("wd-b", "ls -A; pwd").await;
+    assert!(!b.contains("left-behind"), "{b}");
+    let b = b.trim().to_string();
+    assert!(b.starts_with(&w.state.path().display().to_string()), "{b}");
+    let c = run("wd-c", "ls -A; pwd; chmod 755 .").await;
+    assert_eq!(
+        c.trim(),
+        b,
+        "an empty directory is reused by the next attempt"
+    );
+    // One whose mode the task changed is not handed on.
+    assert!(!Path::new(&b).exists(), "{b} kept after chmod");
+    let d = run("wd-d", "ls -A; stat -c %a .").await;
+    assert_eq!(d.trim(), "700", "a fresh directory, mode 0700");
 }
