@@ -437,39 +437,61 @@ async fn a_late_follower_gets_the_output_so_far_and_the_status() {
         logs.get_last_raw_message_by_subject("logs.late").await.ok()
     })
     .await;
-    let mut f = tokio::process::Command::new(jetworker_bin())
-        .args(["logs", "-f", "late", "--server", &srv.url()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let f = Follower::attach(&srv.url(), "late").await;
     // Let the task finish once the follower is attached.
-    let mut err = tokio::io::BufReader::new(f.stderr.take().unwrap());
-    let mut line = String::new();
-    use tokio::io::AsyncBufReadExt;
-    tokio::time::timeout(T, err.read_line(&mut line))
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(line.contains("following late"), "ready line: {line:?}");
     std::fs::write(&go, "").unwrap();
-    let mut rest = String::new();
-    tokio::time::timeout(
-        T,
-        tokio::io::AsyncReadExt::read_to_string(&mut err, &mut rest),
-    )
-    .await
-    .unwrap()
-    .unwrap();
-    let out = tokio::time::timeout(T, f.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let (stdout, rest, code) = f.end().await;
     assert_eq!(stdout, "first\n", "stderr: {rest}");
     assert!(rest.contains("second\n"), "{rest}");
     assert!(rest.contains("late success"), "final status: {rest}");
-    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(code, Some(0));
+}
+
+/// `jetworker logs -f <id>`, past its ready line.
+struct Follower {
+    child: tokio::process::Child,
+    err: tokio::io::BufReader<tokio::process::ChildStderr>,
+}
+
+impl Follower {
+    async fn attach(url: &str, id: &str) -> Self {
+        use tokio::io::AsyncBufReadExt;
+        let mut child = tokio::process::Command::new(jetworker_bin())
+            .args(["logs", "-f", id, "--server", url])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut err = tokio::io::BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        tokio::time::timeout(T, err.read_line(&mut line))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            line.contains(&format!("following {id}")),
+            "ready line: {line:?}"
+        );
+        Follower { child, err }
+    }
+
+    /// Once it ends: its stdout, the rest of its stderr, its exit code.
+    async fn end(mut self) -> (String, String, Option<i32>) {
+        let mut rest = String::new();
+        tokio::time::timeout(
+            T,
+            tokio::io::AsyncReadExt::read_to_string(&mut self.err, &mut rest),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        let out = tokio::time::timeout(T, self.child.wait_with_output())
+            .await
+            .unwrap()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        (stdout, rest, out.status.code())
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -505,44 +527,19 @@ async fn short_attempts_stay_off_the_live_stream_and_followers_print_their_recor
     let _w = InProcWorker::start(|_| {}, &srv.url());
     let js = srv.js().await;
     // Attached before the task exists: it sees every attempt as it ends.
-    let mut f = tokio::process::Command::new(jetworker_bin())
-        .args(["logs", "-f", "quick", "--server", &srv.url()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = tokio::io::BufReader::new(f.stderr.take().unwrap());
-    let mut line = String::new();
-    use tokio::io::AsyncBufReadExt;
-    tokio::time::timeout(T, err.read_line(&mut line))
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(line.contains("following quick"), "ready line: {line:?}");
+    let f = Follower::attach(&srv.url(), "quick").await;
     // Two attempts that end at once, each with a line of output.
     let json = serde_json::json!({
         "id": "quick", "type": "shell", "payload": "echo out-$ATTEMPT; exit 3",
         "retry": {"max_attempts": 2, "backoff": "200ms"},
     });
     publish_task(&js, "default", &json.to_string()).await;
-    let mut rest = String::new();
-    tokio::time::timeout(
-        T,
-        tokio::io::AsyncReadExt::read_to_string(&mut err, &mut rest),
-    )
-    .await
-    .unwrap()
-    .unwrap();
-    let out = tokio::time::timeout(T, f.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let (stdout, rest, code) = f.end().await;
     assert_eq!(stdout, "out-1\nout-2\n", "stderr: {rest}");
     assert!(rest.contains("a retry follows"), "{rest}");
     assert!(rest.contains("attempt 2"), "{rest}");
     assert!(rest.contains("quick failed"), "final status: {rest}");
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(code, Some(1));
 
     // Each attempt's record says it never went live, and nothing did.
     let results = all_results(&js, "quick").await;
