@@ -42,9 +42,9 @@ pub struct Entry {
     /// Where to publish.
     pub subject: String,
     /// The write's identity, also the file name: `Nats-Msg-Id`, or
-    /// [`HEADER_WRITE_ID`] where [`Entry::cas_only`] says so.
+    /// `Jetworker-Write-Id` where [`Entry::cas_only`] says so.
     pub msg_id: String,
-    /// The identity goes in [`HEADER_WRITE_ID`] instead of `Nats-Msg-Id`:
+    /// The identity goes in `Jetworker-Write-Id` instead of `Nats-Msg-Id`:
     /// for the records of `results.<id>`, whose compare-and-set already
     /// refuses a repeat (the sequence check comes before de-duplication), so
     /// the broker's duplicate tracking would cost it a table entry per
