@@ -350,7 +350,7 @@ impl Cgroups {
         // "0" names the calling thread: the kernel then moves it without
         // the global thread-group lock a numeric tid takes (7x cheaper
         // here, and it does not stall every fork and exit meanwhile).
-        let tid = "0";
+        let this_thread = b"0";
         let homes: Vec<&File> = [Some(memory), pids.as_ref(), cpu.as_ref()]
             .into_iter()
             .flatten()
@@ -359,13 +359,13 @@ impl Cgroups {
         let go_home = |n: usize| {
             // The memory hierarchy first, then as many as were joined.
             for h in homes.iter().take(n.max(1)) {
-                if let Err(e) = (&**h).write_all(tid.as_bytes()) {
+                if let Err(e) = (&**h).write_all(this_thread) {
                     tracing::error!("cannot move a worker thread back into its own cgroup: {e}");
                 }
             }
         };
         for (joined, (_, f)) in t.v1_tasks.iter().enumerate() {
-            if let Err(e) = (&*f).write_all(tid.as_bytes()) {
+            if let Err(e) = (&*f).write_all(this_thread) {
                 if joined > 0 {
                     go_home(homes.len());
                 }
