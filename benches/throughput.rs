@@ -32,6 +32,11 @@
 
 mod common;
 
+/// The daemon's allocator (src/main.rs), so that the worker in this process
+/// runs as `jetworker run` does; the raw loop shares it.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
