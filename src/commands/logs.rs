@@ -391,6 +391,106 @@ impl Live {
     }
 }
 
+/// How long chunks published just before a final result may still be on
+/// their way to a follower.
+const LATE_CHUNKS: Duration = Duration::from_millis(300);
+
+/// What a follower's sink made of one message.
+pub(crate) enum Seen {
+    /// Shown; more follows.
+    More,
+    /// An attempt's `eof`; `is_final`: no retry follows.
+    Eof { is_final: bool },
+    /// Nobody is reading any more (the dashboard's page went away).
+    Gone,
+}
+
+/// Where a follower shows a task's output: the terminal (`logs -f`) or a
+/// dashboard page (`ui::live`).
+pub(crate) trait FollowSink {
+    /// An attempt that never went live (`live: false`): the output its
+    /// record stores, and its end.
+    async fn stored_attempt(&mut self, r: &TaskResult) -> anyhow::Result<Seen>;
+    /// One message of the live stream.
+    async fn live(
+        &mut self,
+        headers: Option<&async_nats::HeaderMap>,
+        payload: &[u8],
+    ) -> anyhow::Result<Seen>;
+}
+
+/// How following ended.
+pub(crate) enum Followed {
+    /// The final record arrived (and the live chunks just before it).
+    Final(Box<TaskResult>),
+    /// The final attempt's `eof` arrived; its record is close behind.
+    FinalEof,
+    /// The live stream or the records ended, or the sink is gone.
+    Over,
+}
+
+/// The one follow loop of `logs -f` and the dashboard: the live stream and
+/// the attempts' records side by side. An attempt that never went live is
+/// shown from its record, before whatever follows it; at the final record,
+/// chunks still on their way are taken for a moment.
+pub(crate) async fn follow(
+    live: &mut Live,
+    records: &mut RecordWatch,
+    sink: &mut impl FollowSink,
+) -> anyhow::Result<Followed> {
+    loop {
+        tokio::select! {
+            // An attempt that never went live comes before what follows it.
+            biased;
+            r = records.rx.recv() => {
+                let Some(r) = r else { return Ok(Followed::Over) };
+                if !r.live {
+                    if matches!(sink.stored_attempt(&r).await?, Seen::Gone) {
+                        return Ok(Followed::Over);
+                    }
+                } else if r.is_final {
+                    while let Ok(Ok(Some((h, payload)))) =
+                        tokio::time::timeout(LATE_CHUNKS, live.next()).await
+                    {
+                        if !matches!(sink.live(h.as_ref(), &payload).await?, Seen::More) {
+                            break;
+                        }
+                    }
+                }
+                if r.is_final {
+                    return Ok(Followed::Final(Box::new(r)));
+                }
+            }
+            m = live.next() => {
+                let Some((h, payload)) = m? else { return Ok(Followed::Over) };
+                match sink.live(h.as_ref(), &payload).await? {
+                    Seen::More | Seen::Eof { is_final: false } => {}
+                    Seen::Eof { is_final: true } => return Ok(Followed::FinalEof),
+                    Seen::Gone => return Ok(Followed::Over),
+                }
+            }
+        }
+    }
+}
+
+impl FollowSink for Printer {
+    async fn stored_attempt(&mut self, r: &TaskResult) -> anyhow::Result<Seen> {
+        Printer::stored_attempt(self, r)?;
+        Ok(Seen::More)
+    }
+
+    async fn live(
+        &mut self,
+        headers: Option<&async_nats::HeaderMap>,
+        payload: &[u8],
+    ) -> anyhow::Result<Seen> {
+        Ok(match self.message(headers, payload)? {
+            None => Seen::More,
+            Some(is_final) => Seen::Eof { is_final },
+        })
+    }
+}
+
 pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
     if !valid_id(&args.id) {
         bail!("`{}` is not a task id ([A-Za-z0-9_-]{{1,128}})", args.id);
@@ -432,43 +532,11 @@ pub async fn run(ctx: &super::Ctx, args: LogsArgs) -> anyhow::Result<Exit> {
         json: args.json,
         attempt: None,
     };
-    let mut final_result = None;
-    loop {
-        tokio::select! {
-            // An attempt that never went live comes before what follows it.
-            biased;
-            r = records.rx.recv() => {
-                let Some(r) = r else { break };
-                if !r.live {
-                    p.stored_attempt(&r)?;
-                } else if r.is_final {
-                    // Chunks published just before the result may still
-                    // be on their way: take what comes in a moment.
-                    while let Ok(Ok(Some((h, payload)))) =
-                        tokio::time::timeout(Duration::from_millis(300), live.next()).await
-                    {
-                        if p.message(h.as_ref(), &payload)?.is_some() {
-                            break;
-                        }
-                    }
-                }
-                if r.is_final {
-                    final_result = Some(r);
-                    break;
-                }
-            }
-            m = live.next() => {
-                let Some((h, payload)) = m? else { break };
-                if p.message(h.as_ref(), &payload)? == Some(true) {
-                    break;
-                }
-            }
-        }
-    }
-    if final_result.is_none() {
+    let final_result = match follow(&mut live, &mut records, &mut p).await? {
+        Followed::Final(r) => Some(*r),
         // Ended at eof: the attempt's result follows its output closely.
-        final_result = records.final_within(Duration::from_secs(2)).await;
-    }
+        Followed::FinalEof | Followed::Over => records.final_within(Duration::from_secs(2)).await,
+    };
     if let Some(r) = &final_result {
         p.result(r)?;
     }

@@ -19,7 +19,7 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::commands::common::Conn;
-use crate::commands::logs::{Live, LiveMsg, RecordWatch};
+use crate::commands::logs::{self, FollowSink, Followed, Live, LiveMsg, RecordWatch, Seen};
 use crate::protocol::TaskResult;
 
 /// Events a slow page may have outstanding before the reader waits.
@@ -94,6 +94,31 @@ async fn forward(
     Ok(eof)
 }
 
+/// The page's end of [`logs::follow`]: every message becomes an event; a send
+/// that fails means the page went away.
+struct Page<'a>(&'a mpsc::Sender<Event>);
+
+impl FollowSink for Page<'_> {
+    async fn stored_attempt(&mut self, r: &TaskResult) -> anyhow::Result<Seen> {
+        Ok(match stored_attempt(self.0, r).await {
+            Ok(()) => Seen::More,
+            Err(()) => Seen::Gone,
+        })
+    }
+
+    async fn live(
+        &mut self,
+        headers: Option<&async_nats::HeaderMap>,
+        payload: &[u8],
+    ) -> anyhow::Result<Seen> {
+        Ok(match forward(self.0, headers, payload).await {
+            Ok(None) => Seen::More,
+            Ok(Some(is_final)) => Seen::Eof { is_final },
+            Err(()) => Seen::Gone,
+        })
+    }
+}
+
 async fn run(conn: &Conn, id: &str, tx: &mpsc::Sender<Event>) -> anyhow::Result<()> {
     // Attach before looking at the results, so nothing falls between.
     let mut live = Live::open(conn, id).await?;
@@ -106,50 +131,14 @@ async fn run(conn: &Conn, id: &str, tx: &mpsc::Sender<Event>) -> anyhow::Result<
         }
     }
     let mut watch = RecordWatch::start(conn, id).await?;
-    let outcome = async {
-        loop {
-            tokio::select! {
-                // An attempt that never went live comes before what follows it.
-                biased;
-                r = watch.rx.recv() => {
-                    let Some(r) = r else { return Ok(None) };
-                    if !r.live {
-                        // Nothing of it went live: its record has the output.
-                        if stored_attempt(tx, &r).await.is_err() {
-                            return Ok(None); // the page went away
-                        }
-                    } else if r.is_final {
-                        // Chunks published just before the result may
-                        // still be on their way: take what comes in a moment.
-                        while let Ok(Ok(Some((h, payload)))) =
-                            tokio::time::timeout(Duration::from_millis(300), live.next()).await
-                        {
-                            if !matches!(forward(tx, h.as_ref(), &payload).await, Ok(None)) {
-                                break;
-                            }
-                        }
-                    }
-                    if r.is_final {
-                        return Ok(Some(r));
-                    }
-                }
-                m = live.next() => {
-                    let Some((h, payload)) = m? else { return Ok(None) };
-                    match forward(tx, h.as_ref(), &payload).await {
-                        Err(()) => return Ok(None), // the page went away
-                        Ok(Some(true)) => {
-                            // The final attempt's result follows its output.
-                            return Ok(watch.final_within(Duration::from_secs(5)).await);
-                        }
-                        Ok(_) => {}
-                    }
-                }
-            }
-        }
+    let outcome = logs::follow(&mut live, &mut watch, &mut Page(tx)).await;
+    let r = match outcome? {
+        Followed::Final(r) => Some(*r),
+        // The final attempt's result follows its output.
+        Followed::FinalEof => watch.final_within(Duration::from_secs(5)).await,
+        Followed::Over => None,
     };
-    let outcome: anyhow::Result<Option<TaskResult>> = outcome.await;
     drop(watch);
-    let r: Option<TaskResult> = outcome?;
     match r {
         Some(r) => {
             let _ = tx.send(final_event(&r)).await;
