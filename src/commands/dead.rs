@@ -125,17 +125,54 @@ impl DeadLetter {
     }
 }
 
-/// Dead letters on `filter` (a subject under the dead prefix), oldest first.
-pub(crate) async fn read(conn: &Conn, filter: String) -> anyhow::Result<Vec<DeadLetter>> {
-    let stream = conn.stream(&conn.names.dead_stream).await?;
-    let mut reader = OrderedReader::open(&stream, vec![filter], DeliverPolicy::All).await?;
+/// The newest `limit` dead letters on `filter` (a subject under the dead
+/// prefix; `limit` 0: all of them), oldest first. A long history is not
+/// read whole to show its end: a window at the end of DEAD grows fourfold
+/// until it holds `limit` matches or reaches the first message.
+pub(crate) async fn read(
+    conn: &Conn,
+    filter: String,
+    limit: usize,
+) -> anyhow::Result<Vec<DeadLetter>> {
+    let mut stream = conn.stream(&conn.names.dead_stream).await?;
+    let (first, last) = {
+        let state = &stream
+            .info()
+            .await
+            .context("cannot read DEAD's state")?
+            .state;
+        (state.first_sequence, state.last_sequence)
+    };
     let prefix = conn.names.dead_prefix.clone();
-    Ok(reader
-        .read_to_end()
-        .await?
-        .into_iter()
-        .map(|m| DeadLetter::from_read(&prefix, m))
-        .collect())
+    let mut window = if limit == 0 {
+        u64::MAX
+    } else {
+        (limit as u64).max(16).saturating_mul(2)
+    };
+    loop {
+        let start = last.saturating_sub(window.saturating_sub(1)).max(first);
+        let deliver = if start <= first {
+            DeliverPolicy::All
+        } else {
+            DeliverPolicy::ByStartSequence {
+                start_sequence: start,
+            }
+        };
+        let mut reader = OrderedReader::open(&stream, vec![filter.clone()], deliver).await?;
+        let mut got: Vec<DeadLetter> = reader
+            .read_to_end()
+            .await?
+            .into_iter()
+            .map(|m| DeadLetter::from_read(&prefix, m))
+            .collect();
+        if start <= first || got.len() >= limit {
+            if limit > 0 && got.len() > limit {
+                got.drain(..got.len() - limit);
+            }
+            return Ok(got);
+        }
+        window = window.saturating_mul(4);
+    }
 }
 
 pub(crate) fn check_label(l: &str) -> anyhow::Result<()> {
@@ -175,10 +212,7 @@ async fn list(
         }
         None => format!("{p}.>"),
     };
-    let mut all = read(conn, filter).await?;
-    if limit > 0 && all.len() > limit {
-        all.drain(..all.len() - limit);
-    }
+    let all = read(conn, filter, limit).await?;
     if json {
         for d in &all {
             output::json_line(d)?;
@@ -236,7 +270,7 @@ async fn purge(conn: &Conn, a: PurgeArgs, json: bool) -> anyhow::Result<Exit> {
     };
     let stream = conn.stream(&conn.names.dead_stream).await?;
     if !a.force {
-        let n = read(conn, filter.clone()).await?.len();
+        let n = read(conn, filter.clone(), 0).await?.len();
         if n == 0 {
             return purged(&filter, 0, json);
         }

@@ -89,7 +89,7 @@ pub struct Retried {
 pub async fn retry(conn: &Conn, id: &str) -> anyhow::Result<Retried> {
     check_id(id)?;
     let filter = format!("{}.*.{id}", conn.names.dead_prefix);
-    let Some(letter) = read(conn, filter).await?.pop() else {
+    let Some(letter) = read(conn, filter, 1).await?.pop() else {
         bail!(
             "no dead letter for {id}: only tasks that ended failed, timeout, expired, dead or rejected keep their original in DEAD"
         );
@@ -218,7 +218,7 @@ async fn bulk(conn: &Conn, args: &RetryArgs) -> anyhow::Result<Exit> {
     };
     // The newest letter per id (a task can be dead-lettered more than once).
     let mut newest: BTreeMap<String, DeadLetter> = BTreeMap::new();
-    for d in read(conn, filter).await? {
+    for d in read(conn, filter, 0).await? {
         newest.insert(d.id.clone(), d);
     }
     let mut picked: Vec<DeadLetter> = newest

@@ -311,7 +311,7 @@ pub(crate) async fn dead_letters(
     if conn.js.get_stream(&conn.names.dead_stream).await.is_err() {
         return Ok(Vec::new());
     }
-    let all = crate::commands::dead::read(conn, filter).await?;
+    let all = crate::commands::dead::read(conn, filter, limit).await?;
     Ok(all
         .into_iter()
         .rev()

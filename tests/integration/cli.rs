@@ -998,6 +998,69 @@ async fn logs_follow_prints_chunks_and_ends_at_eof_or_final_result() {
     assert_exit(&o, 2);
 }
 
+/// `dead --limit N` shows the newest N, oldest first, from the end of a
+/// long history (read in growing windows, not whole): sparse letters of one
+/// label far behind many others are still found, and `--limit 0` is all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_limit_reads_the_newest_from_a_long_history() {
+    let server = NatsServer::start();
+    let url = server.url();
+    setup(&url, &[]).await;
+    let js = server.js().await;
+    let put = |id: String, label: &'static str| {
+        let js = js.clone();
+        async move {
+            let mut h = async_nats::HeaderMap::new();
+            h.insert("Jetworker-Reason", "failed");
+            h.insert("Jetworker-Task-Id", id.as_str());
+            h.insert("Jetworker-Label", label);
+            js.send_publish(
+                format!("dead.{label}.{id}"),
+                jetstream::message::PublishMessage::build()
+                    .payload(Bytes::from(format!(r#"{{"type":"shell","id":"{id}"}}"#)))
+                    .headers(h),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        }
+    };
+    // Three `rare` letters first, then 600 `bulk` ones.
+    for n in 0..3 {
+        put(format!("rare-{n}"), "rare").await;
+    }
+    for n in 0..600 {
+        put(format!("bulk-{n:03}"), "bulk").await;
+    }
+    let ids = |o: &std::process::Output| -> Vec<String> {
+        json_lines(o)
+            .iter()
+            .map(|v| v["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let o = jw(&url, &["dead", "--json", "--limit", "5"]).await;
+    assert_exit(&o, 0);
+    assert_eq!(
+        ids(&o),
+        ["bulk-595", "bulk-596", "bulk-597", "bulk-598", "bulk-599"]
+    );
+    let o = jw(&url, &["dead", "--json", "--label", "rare", "--limit", "2"]).await;
+    assert_exit(&o, 0);
+    assert_eq!(ids(&o), ["rare-1", "rare-2"]);
+    let o = jw(
+        &url,
+        &["dead", "--json", "--label", "rare", "--limit", "10"],
+    )
+    .await;
+    assert_eq!(ids(&o), ["rare-0", "rare-1", "rare-2"]);
+    let o = jw(&url, &["dead", "--json", "--limit", "0"]).await;
+    let all = ids(&o);
+    assert_eq!(all.len(), 603);
+    assert_eq!(all[0], "rare-0");
+    assert_eq!(all[602], "bulk-599");
+}
+
 #[tokio::test]
 async fn dead_lists_replays_and_purges() {
     let server = NatsServer::start();
