@@ -55,6 +55,7 @@ fn heartbeat(i: usize, labels: usize, version: &str) -> Heartbeat {
         types: vec!["shell".into(), "command".into()],
         slots: 4,
         running: i % 5,
+        running_by_label: Default::default(),
         tasks: (0..i % 5).map(|k| format!("task-{i}-{k}")).collect(),
         started_at: now - chrono::Duration::minutes(30),
         seen_at: now,

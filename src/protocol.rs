@@ -1328,6 +1328,10 @@ pub struct Heartbeat {
     pub slots: usize,
     /// Tasks running now.
     pub running: usize,
+    /// Of those, how many came from each label (absent when nothing runs,
+    /// and in heartbeats of earlier workers).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub running_by_label: BTreeMap<String, usize>,
     /// Their ids.
     pub tasks: Vec<String>,
     /// When the worker started.

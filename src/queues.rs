@@ -48,10 +48,17 @@ pub struct QueueStats {
     pub read_at: DateTime<Utc>,
     /// Tasks not handed to any worker yet (the consumer's `num_pending`).
     pub waiting: u64,
-    /// Tasks handed out and not answered yet (`num_ack_pending`): running
-    /// on a worker, or Nak'ed (a retry's backoff after a failed attempt, a
-    /// hand-back at a worker's shutdown) and not handed out again yet.
+    /// Tasks of this label running on its online workers, as of their
+    /// last heartbeats (`running_by_label`; a heartbeat of an earlier
+    /// worker without it counts its `running` when it serves only this
+    /// label).
     pub running: usize,
+    /// Tasks handed out and not answered, but not running: Nak'ed with a
+    /// delay (a retry's backoff, an id running elsewhere, a type no worker
+    /// of the label runs, a hand-back at shutdown) and not handed out again
+    /// yet, or held by a worker that is gone until its lease ends. The
+    /// consumer's `num_ack_pending` less `running`.
+    pub delayed: usize,
     /// Tasks the broker handed out again after a Nak or an expired lease
     /// (`num_redelivered`; retries, hand-backs and takeovers).
     pub redelivered: usize,
@@ -161,6 +168,15 @@ async fn oldest_waiting(
     Ok(found.into_iter().flatten().min().map(|(_, t)| t))
 }
 
+/// How many of `label`'s tasks the worker of heartbeat `h` runs.
+fn running_here(h: &Heartbeat, label: &str) -> usize {
+    match h.running_by_label.get(label) {
+        Some(n) => *n,
+        None if h.running_by_label.is_empty() && h.labels.len() == 1 => h.running,
+        None => 0,
+    }
+}
+
 /// The stats of one label from its consumer's info (`None`: no consumer).
 async fn stats_of(
     tasks: &Stream,
@@ -178,7 +194,8 @@ async fn stats_of(
         label: label.to_string(),
         read_at: now,
         waiting: 0,
-        running: 0,
+        running: serving.iter().map(|h| running_here(h, label)).sum(),
+        delayed: 0,
         redelivered: 0,
         oldest_waiting_at: None,
         oldest_waiting_ms: None,
@@ -192,7 +209,9 @@ async fn stats_of(
         return Ok(s);
     };
     s.waiting = info.num_pending;
-    s.running = info.num_ack_pending;
+    // Heartbeats lag: never more running than handed out.
+    s.running = s.running.min(info.num_ack_pending);
+    s.delayed = info.num_ack_pending - s.running;
     s.redelivered = info.num_redelivered;
     s.oldest_waiting_at = oldest_waiting(tasks, names, label, info).await?;
     s.oldest_waiting_ms = s

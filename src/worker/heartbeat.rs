@@ -28,6 +28,7 @@ pub fn value(sh: &Shared) -> Heartbeat {
         types: sh.types.clone(),
         slots: sh.cfg.slots,
         running: tasks.len(),
+        running_by_label: sh.running.per_label(),
         tasks,
         started_at: sh.started_at,
         seen_at: chrono::Utc::now(),

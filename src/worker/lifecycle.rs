@@ -162,7 +162,7 @@ async fn lifecycle(
         // 3. Already running here?
         let stop = Stop::new();
         let _guard = loop {
-            match sh.running.register(&task.id, d.seq, stop.clone()) {
+            match sh.running.register(&task.id, label, d.seq, stop.clone()) {
                 Ok(g) => break g,
                 Err(busy) if busy.same_message => {
                     warn!("redelivered while our copy still runs: its lease is lost; stopping it and taking over");

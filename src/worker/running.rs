@@ -3,7 +3,7 @@
 //! leave an id registered; a second delivery of a registered id sees who
 //! holds it and what message it came from.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use prometheus_client::metrics::gauge::Gauge;
@@ -16,6 +16,8 @@ use crate::runner::{Stop, StopKind};
 struct Slot {
     /// TASKS stream sequence of the message being run.
     task_seq: u64,
+    /// The label it came from (heartbeats count running tasks per label).
+    label: String,
     stop: Stop,
     /// Cancelled when the guard drops.
     finished: CancellationToken,
@@ -60,10 +62,12 @@ impl Running {
         })
     }
 
-    /// Register `id` for the message `task_seq`, stopped through `stop`.
+    /// Register `id` of `label` for the message `task_seq`, stopped
+    /// through `stop`.
     pub(crate) fn register(
         self: &Arc<Self>,
         id: &str,
+        label: &str,
         task_seq: u64,
         stop: Stop,
     ) -> Result<Guard, Busy> {
@@ -80,6 +84,7 @@ impl Running {
             id.to_string(),
             Slot {
                 task_seq,
+                label: label.to_string(),
                 stop,
                 finished: finished.clone(),
             },
@@ -112,6 +117,15 @@ impl Running {
         m.len()
     }
 
+    /// How many run now, per label.
+    pub(crate) fn per_label(&self) -> BTreeMap<String, usize> {
+        let mut n = BTreeMap::new();
+        for s in self.map.lock().unwrap().values() {
+            *n.entry(s.label.clone()).or_insert(0) += 1;
+        }
+        n
+    }
+
     /// The ids running now, sorted.
     pub(crate) fn ids(&self) -> Vec<String> {
         let mut v: Vec<String> = self.map.lock().unwrap().keys().cloned().collect();
@@ -127,14 +141,27 @@ mod tests {
     #[test]
     fn guard_unregisters_and_signals() {
         let r = Running::new(Gauge::default());
-        let g = r.register("a", 1, Stop::new()).ok().unwrap();
-        let busy = r.register("a", 1, Stop::new()).err().unwrap();
+        let g = r.register("a", "l1", 1, Stop::new()).ok().unwrap();
+        let busy = r.register("a", "l1", 1, Stop::new()).err().unwrap();
         assert!(busy.same_message);
-        assert!(!r.register("a", 2, Stop::new()).err().unwrap().same_message);
-        assert_eq!(r.ids(), vec!["a".to_string()]);
+        assert!(
+            !r.register("a", "l1", 2, Stop::new())
+                .err()
+                .unwrap()
+                .same_message
+        );
+        let g2 = r.register("b", "l2", 3, Stop::new()).ok().unwrap();
+        let _g3 = r.register("c", "l2", 4, Stop::new()).ok().unwrap();
+        assert_eq!(r.ids(), vec!["a".to_string(), "b".into(), "c".into()]);
+        assert_eq!(
+            r.per_label(),
+            BTreeMap::from([("l1".to_string(), 1), ("l2".to_string(), 2)])
+        );
         drop(g);
+        drop(g2);
         assert!(busy.finished.is_cancelled());
-        assert!(r.ids().is_empty());
-        assert!(r.register("a", 2, Stop::new()).is_ok());
+        assert_eq!(r.ids(), vec!["c".to_string()]);
+        assert_eq!(r.per_label(), BTreeMap::from([("l2".to_string(), 1)]));
+        assert!(r.register("a", "l1", 2, Stop::new()).is_ok());
     }
 }

@@ -764,6 +764,7 @@ fn heartbeat(id: &str, tasks: &[&str]) -> Heartbeat {
         types: vec!["shell".into(), "command".into()],
         slots: 4,
         running: tasks.len(),
+        running_by_label: BTreeMap::new(),
         tasks: tasks.iter().map(|s| s.to_string()).collect(),
         started_at: now,
         seen_at: now,

@@ -186,6 +186,45 @@ async fn queues_counts_waiting_and_running_tasks() {
     drop(w);
 }
 
+/// `queues` tells a task that runs from one waiting out its retry backoff
+/// (handed out, Nak'ed with a delay): `running` 1, `delayed` 1, in the
+/// JSON and the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queues_count_a_retry_backoff_as_delayed_not_running() {
+    let srv = NatsServer::start();
+    let url = srv.url();
+    let js = srv.js().await;
+    let w = worker(&url, &["--slots", "2"]).await;
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"q-backoff","type":"shell","payload":"exit 1","retry":{"max_attempts":3,"backoff":"5m"}}"#,
+    )
+    .await;
+    status_becomes(&url, "q-backoff", "retrying", 3).await;
+    publish_task(
+        &js,
+        "default",
+        r#"{"id":"q-runs","type":"shell","payload":"sleep 60"}"#,
+    )
+    .await;
+    status_becomes(&url, "q-runs", "running", 3).await;
+    let q = wait_for(T, "queues: 1 running, 1 delayed", || async {
+        let q = queue_lines(&url, "default").await;
+        (q.len() == 1 && q[0]["running"] == 1 && q[0]["delayed"] == 1).then(|| q[0].clone())
+    })
+    .await;
+    assert_eq!(q["waiting"], 0, "{q}");
+    let o = jw(&url, &["queues"]).await;
+    assert_exit(&o, 0);
+    let out = stdout(&o);
+    assert!(out.contains("DELAYED"), "{out}");
+    let row = out.lines().find(|l| l.starts_with("default")).unwrap();
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(&cells[1..4], &["0", "1", "1"], "{out}");
+    drop(w);
+}
+
 /// `jetworker status` in every state, with its exit code.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_reports_every_state_with_its_exit_code() {

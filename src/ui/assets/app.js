@@ -343,7 +343,8 @@
     fill(r, q) {
       const c = r.c;
       setText(c.waiting, q.waiting);
-      setText(c.running, q.running);
+      setText(c.running, q.delayed ? q.running + ' (+' + q.delayed + ' delayed)' : q.running);
+      c.running.title = 'running on online workers; delayed: handed out, not running (retry backoff, a hand-back, an id running elsewhere)';
       setText(c.redelivered, q.redelivered);
       setText(c.oldest, q.oldest_waiting_ms === null || q.oldest_waiting_ms === undefined ? '–' : fmtDuration(q.oldest_waiting_ms));
       setText(c.workers, (q.workers || []).length);
