@@ -20,6 +20,7 @@ use anyhow::{bail, Context as _};
 use async_nats::jetstream::consumer::DeliverPolicy;
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
+use futures::TryStreamExt;
 use serde::Serialize;
 
 use super::common::{header, Conn, OrderedReader, Read};
@@ -270,7 +271,16 @@ async fn purge(conn: &Conn, a: PurgeArgs, json: bool) -> anyhow::Result<Exit> {
     };
     let stream = conn.stream(&conn.names.dead_stream).await?;
     if !a.force {
-        let n = read(conn, filter.clone(), 0).await?.len();
+        // Counted from the stream's per-subject counts, not by reading
+        // every letter.
+        let n: u64 = stream
+            .info_with_subjects(&filter)
+            .await
+            .context("cannot count dead letters")?
+            .map_ok(|(_, n)| n as u64)
+            .try_fold(0, |a, n| async move { Ok(a + n) })
+            .await
+            .context("cannot count dead letters")?;
         if n == 0 {
             return purged(&filter, 0, json);
         }
