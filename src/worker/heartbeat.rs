@@ -18,7 +18,7 @@ use crate::protocol::Heartbeat;
 
 /// The current heartbeat value.
 pub fn value(sh: &Shared) -> Heartbeat {
-    let tasks = sh.running.ids();
+    let (tasks, running_by_label) = sh.running.snapshot();
     Heartbeat {
         id: sh.id.clone(),
         hostname: sh.hostname.clone(),
@@ -28,7 +28,7 @@ pub fn value(sh: &Shared) -> Heartbeat {
         types: sh.types.clone(),
         slots: sh.cfg.slots,
         running: tasks.len(),
-        running_by_label: sh.running.per_label(),
+        running_by_label,
         tasks,
         started_at: sh.started_at,
         seen_at: chrono::Utc::now(),

@@ -569,7 +569,7 @@ async fn run_as(
     let drain_until = tokio::time::Instant::now() + sh.cfg.drain_timeout;
     sh.conn.stop();
     info!(
-        running = sh.running.ids().len(),
+        running = sh.running.len(),
         "stopping: no new tasks; draining"
     );
     // A puller finishes its current pull (at most PULL_EXPIRES); one stuck

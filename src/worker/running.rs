@@ -117,20 +117,22 @@ impl Running {
         m.len()
     }
 
-    /// How many run now, per label.
-    pub(crate) fn per_label(&self) -> BTreeMap<String, usize> {
-        let mut n = BTreeMap::new();
-        for s in self.map.lock().unwrap().values() {
-            *n.entry(s.label.clone()).or_insert(0) += 1;
+    /// The ids running now, sorted, and how many of them came from each
+    /// label: read under one lock, so the two always agree.
+    pub(crate) fn snapshot(&self) -> (Vec<String>, BTreeMap<String, usize>) {
+        let m = self.map.lock().unwrap();
+        let mut per_label = BTreeMap::new();
+        for s in m.values() {
+            *per_label.entry(s.label.clone()).or_insert(0) += 1;
         }
-        n
+        let mut ids: Vec<String> = m.keys().cloned().collect();
+        ids.sort();
+        (ids, per_label)
     }
 
-    /// The ids running now, sorted.
-    pub(crate) fn ids(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.map.lock().unwrap().keys().cloned().collect();
-        v.sort();
-        v
+    /// How many run now.
+    pub(crate) fn len(&self) -> usize {
+        self.map.lock().unwrap().len()
     }
 }
 
@@ -152,16 +154,24 @@ mod tests {
         );
         let g2 = r.register("b", "l2", 3, Stop::new()).ok().unwrap();
         let _g3 = r.register("c", "l2", 4, Stop::new()).ok().unwrap();
-        assert_eq!(r.ids(), vec!["a".to_string(), "b".into(), "c".into()]);
         assert_eq!(
-            r.per_label(),
-            BTreeMap::from([("l1".to_string(), 1), ("l2".to_string(), 2)])
+            r.snapshot(),
+            (
+                vec!["a".to_string(), "b".into(), "c".into()],
+                BTreeMap::from([("l1".to_string(), 1), ("l2".to_string(), 2)])
+            )
         );
         drop(g);
         drop(g2);
         assert!(busy.finished.is_cancelled());
-        assert_eq!(r.ids(), vec!["c".to_string()]);
-        assert_eq!(r.per_label(), BTreeMap::from([("l2".to_string(), 1)]));
+        assert_eq!(
+            r.snapshot(),
+            (
+                vec!["c".to_string()],
+                BTreeMap::from([("l2".to_string(), 1)])
+            )
+        );
+        assert_eq!(r.len(), 1);
         assert!(r.register("a", "l1", 2, Stop::new()).is_ok());
     }
 }
