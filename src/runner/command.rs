@@ -157,6 +157,9 @@ pub struct ProcessRunner {
     /// attempt takes one instead of a `mkdir` and an `rmdir` (on ext4 about
     /// a quarter of a millisecond of the worker's CPU per attempt).
     spare_dirs: std::sync::Mutex<Vec<PathBuf>>,
+    /// Who owns a working directory as made (uid, gid): the task user, or
+    /// this worker's effective ids.
+    workdir_owner: (u32, u32),
 }
 
 /// Where task working directories go when tasks run as another user: a
@@ -268,6 +271,13 @@ impl ProcessRunner {
             state_dir: state_dir.to_path_buf(),
             seq: AtomicU64::new(0),
             spare_dirs: Default::default(),
+            workdir_owner: match user {
+                Some(u) => (u.uid, u.gid),
+                None => (
+                    nix::unistd::geteuid().as_raw(),
+                    nix::unistd::getegid().as_raw(),
+                ),
+            },
         })
     }
 
@@ -405,13 +415,7 @@ impl ProcessRunner {
         let Ok(m) = std::fs::symlink_metadata(dir) else {
             return false;
         };
-        let (uid, gid) = match self.user {
-            Some(u) => (u.uid, u.gid),
-            None => (
-                nix::unistd::geteuid().as_raw(),
-                nix::unistd::getegid().as_raw(),
-            ),
-        };
+        let (uid, gid) = self.workdir_owner;
         m.is_dir()
             && m.mode() & 0o7777 == 0o700
             && m.uid() == uid
