@@ -5,8 +5,8 @@
 //! Why: the binary is position-independent, and its ~65,000 relative
 //! relocations take 1.5 MB as classic `.rela.dyn` entries, which the
 //! dynamic loader reads in full at every start, so they stay resident in
-//! every worker (BENCHMARKS.md, "Idle memory"). Packed, they take about
-//! 25 KB. The executable stays position-independent (ASLR is unchanged).
+//! every worker (BENCHMARKS.md, "Idle memory and worker CPU"). Packed,
+//! they take about 22 KB. The executable stays position-independent (ASLR is unchanged).
 //!
 //! DT_RELR needs glibc ≥ 2.36 at run time and a linker that knows the
 //! flag (GNU ld ≥ 2.38, lld ≥ 15). Rather than guess from versions, the

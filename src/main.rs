@@ -8,7 +8,8 @@ use std::process::ExitCode;
 /// small buffers on every task across its runtime threads, and glibc's
 /// arenas spent about a fifth of the worker's CPU on it (`malloc_consolidate`
 /// after every large read buffer freed, `unlink_chunk`); BENCHMARKS.md,
-/// "Allocator". Programs that embed the library choose their own.
+/// "Idle memory and worker CPU". Programs that embed the library choose
+/// their own.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -321,7 +321,7 @@
       const c = {
         label: h('span', { class: 'id', text: label }),
         waiting: h('span', { class: 'num' }),
-        running: h('span', { class: 'num' }),
+        running: h('span', { class: 'num', title: 'running on online workers; delayed: handed out, not running (retry backoff, a hand-back, an id running elsewhere)' }),
         redelivered: h('span', { class: 'num' }),
         oldest: h('span', { class: 'num' }),
         workers: h('span', { class: 'num' }),
@@ -344,7 +344,6 @@
       const c = r.c;
       setText(c.waiting, q.waiting);
       setText(c.running, q.delayed ? q.running + ' (+' + q.delayed + ' delayed)' : q.running);
-      c.running.title = 'running on online workers; delayed: handed out, not running (retry backoff, a hand-back, an id running elsewhere)';
       setText(c.redelivered, q.redelivered);
       setText(c.oldest, q.oldest_waiting_ms === null || q.oldest_waiting_ms === undefined ? '–' : fmtDuration(q.oldest_waiting_ms));
       setText(c.workers, (q.workers || []).length);
