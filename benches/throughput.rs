@@ -15,7 +15,10 @@
 //!   100/s ≤ 2 × the raw p50).
 //!
 //! For each: **throughput** (N tasks published as fast as the server takes
-//! them; tasks/s from the first publish to the last final result) and
+//! them; tasks/s from the first publish to the last final result; raw,
+//! http and no-op take turns for `BENCH_ROUNDS` rounds, and the ratios
+//! printed are the medians of the per-round ratios, so that a change of
+//! load on a shared machine moves both sides of a ratio) and
 //! **latency** at a steady 100 tasks/s (p50/p99 of publish → final result
 //! seen on `results.>`). Printed: the ratio jetworker / raw, and the
 //! targets of DESIGN.md/BENCHMARKS.md (throughput ≥ 60 % of the raw loop;
@@ -28,7 +31,9 @@
 //!
 //! Run: `cargo bench --bench throughput` (needs `nats-server` on PATH or
 //! `NATS_SERVER_BIN`). Settings (environment): `BENCH_TASKS` (default
-//! 5000), `BENCH_PACED` (300 tasks at 100/s).
+//! 5000), `BENCH_ROUNDS` (5), `BENCH_PACED` (300 tasks at 100/s), `BENCH_PERF_CTL` (a
+//! `perf record --control fifo:<path>` control FIFO: the no-op throughput
+//! phases alone are recorded, `perf record -D -1 --control fifo:ctl ...`).
 
 mod common;
 
@@ -130,14 +135,14 @@ impl Results {
     }
 
     /// The next final result; every result of an attempt must be a success.
-    async fn next_final(&mut self) -> TaskResult {
+    async fn next_final(&mut self) -> Seen {
         loop {
             let msg = tokio::time::timeout(GIVE_UP, self.sub.next())
                 .await
                 .unwrap_or_else(|_| panic!("no result within {GIVE_UP:?}"))
                 .expect("results subscription ended");
-            let r: TaskResult = serde_json::from_slice(&msg.payload).expect("result JSON");
-            if r.is_state() {
+            let r: Seen = serde_json::from_slice(&msg.payload).expect("result JSON");
+            if matches!(r.status, Status::Running | Status::Queued) {
                 continue;
             }
             assert!(
@@ -152,6 +157,19 @@ impl Results {
             }
         }
     }
+}
+
+/// What the bench reads of a record: what tells a final success, not the
+/// whole record (the harness should cost both paths as little as it can;
+/// jetworker's claims reach it too).
+#[derive(serde::Deserialize)]
+struct Seen {
+    id: String,
+    status: Status,
+    #[serde(rename = "final")]
+    is_final: bool,
+    #[serde(default)]
+    error: Option<String>,
 }
 
 fn task_json(kind: &str, url: &str, id: &str) -> bytes::Bytes {
@@ -406,6 +424,15 @@ async fn wiretap(client: &async_nats::Client) -> (Arc<std::sync::Mutex<Tap>>, Ca
     (tap, stop)
 }
 
+/// Switch `perf record` on or off through its control FIFO
+/// (`BENCH_PERF_CTL`), so that a profile holds one phase.
+fn perf_ctl(cmd: &str) {
+    if let Ok(path) = std::env::var("BENCH_PERF_CTL") {
+        std::fs::write(&path, format!("{cmd}\n"))
+            .unwrap_or_else(|e| panic!("BENCH_PERF_CTL={path}: {e}"));
+    }
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
@@ -414,13 +441,15 @@ fn ms(d: Duration) -> f64 {
 async fn main() {
     let n = common::env_usize("BENCH_TASKS", 5000);
     let n_paced = common::env_usize("BENCH_PACED", 300);
+    let rounds = common::env_usize("BENCH_ROUNDS", 5);
     let server = common::NatsServer::start();
     let client = async_nats::connect(server.url()).await.unwrap();
     let js = jetstream::new(client.clone());
     let url = http_server().await;
     let run = std::process::id();
     println!(
-        "throughput: {n} tasks per batch, {n_paced} paced at {RATE_PER_S}/s, {SLOTS} slots; {} CPUs",
+        "throughput: {n} tasks per batch, {rounds} rounds (raw, http, no-op in turn), \
+         {n_paced} paced at {RATE_PER_S}/s, {SLOTS} slots; {} CPUs",
         std::thread::available_parallelism().map_or(0, |p| p.get())
     );
 
@@ -452,15 +481,11 @@ async fn main() {
     };
     let stop_raw = CancellationToken::new();
     let raw_task = tokio::spawn(raw_loop(js.clone(), consumer, sample, stop_raw.clone()));
-    let mut results = Results::subscribe(&client, &raw).await;
-    let raw_rate = throughput(&js, &raw, &mut results, &url, &format!("r{run}-"), n).await;
-    wait_empty(&js, "RAW").await;
-    let raw_lat = paced(&js, &raw, &mut results, &url, &format!("rp{run}-"), n_paced).await;
-    stop_raw.cancel();
-    let _ = raw_task.await;
-    drop(results);
+    let mut raw_results = Results::subscribe(&client, &raw).await;
 
-    // jetworker.
+    // jetworker, running all along: the raw loop and the worker take turns
+    // on the same machine, round after round, so that a change of load on
+    // this shared machine moves both sides of a ratio.
     let worker_path = Path {
         name: "jetworker http",
         task_subject: Names::default().task_subject("default"),
@@ -472,19 +497,69 @@ async fn main() {
         kind: "noop",
         ..worker_path.clone()
     };
+    let tasks_stream = Names::default().tasks_stream;
     let can_reset = common::reset_peak_rss();
     let worker = Worker::start(&server.url(), &js, SLOTS).await;
     let mut results = Results::subscribe(&client, &worker_path).await;
-    let rate = throughput(
+
+    let (mut raw_rates, mut rates, mut noop_rates) = (vec![], vec![], vec![]);
+    for round in 0..rounds {
+        let r = throughput(
+            &js,
+            &raw,
+            &mut raw_results,
+            &url,
+            &format!("r{run}-{round}-"),
+            n,
+        )
+        .await;
+        wait_empty(&js, "RAW").await;
+        let h = throughput(
+            &js,
+            &worker_path,
+            &mut results,
+            &url,
+            &format!("b{run}-{round}-"),
+            n,
+        )
+        .await;
+        wait_empty(&js, &tasks_stream).await;
+        // The worker's own overhead: no-op in-process tasks.
+        perf_ctl("enable");
+        let z = throughput(
+            &js,
+            &noop_path,
+            &mut results,
+            &url,
+            &format!("n{run}-{round}-"),
+            n,
+        )
+        .await;
+        perf_ctl("disable");
+        wait_empty(&js, &tasks_stream).await;
+        println!(
+            "round {}: raw {r:.0}/s, http {h:.0}/s ({:.0} %), no-op {z:.0}/s ({:.0} %)",
+            round + 1,
+            100.0 * h / r,
+            100.0 * z / r
+        );
+        raw_rates.push(r);
+        rates.push(h);
+        noop_rates.push(z);
+    }
+
+    let raw_lat = paced(
         &js,
-        &worker_path,
-        &mut results,
+        &raw,
+        &mut raw_results,
         &url,
-        &format!("b{run}-"),
-        n,
+        &format!("rp{run}-"),
+        n_paced,
     )
     .await;
-    wait_empty(&js, &Names::default().tasks_stream).await;
+    stop_raw.cancel();
+    let _ = raw_task.await;
+    drop(raw_results);
     let (tap, stop_tap) = wiretap(&client).await;
     let lat = paced(
         &js,
@@ -495,11 +570,8 @@ async fn main() {
         n_paced,
     )
     .await;
-    wait_empty(&js, &Names::default().tasks_stream).await;
+    wait_empty(&js, &tasks_stream).await;
     stop_tap.cancel();
-    // The worker's own overhead: no-op in-process tasks.
-    let noop_rate = throughput(&js, &noop_path, &mut results, &url, &format!("n{run}-"), n).await;
-    wait_empty(&js, &Names::default().tasks_stream).await;
     let noop_lat = paced(
         &js,
         &noop_path,
@@ -509,7 +581,7 @@ async fn main() {
         n_paced,
     )
     .await;
-    wait_empty(&js, &Names::default().tasks_stream).await;
+    wait_empty(&js, &tasks_stream).await;
     worker.stop().await;
     let peak = common::peak_rss_mib();
     let http = http_p50(&url, 500).await;
@@ -518,24 +590,33 @@ async fn main() {
         "{:<16}  {:>8}  {:>9}  {:>9}  {:>9}",
         "path", "tasks/s", "p50 ms", "p99 ms", "max ms"
     );
-    for (name, rate, lat) in [
-        (raw.name, raw_rate, &raw_lat),
-        (worker_path.name, rate, &lat),
-        (noop_path.name, noop_rate, &noop_lat),
+    for (name, rates, lat) in [
+        (raw.name, &raw_rates, &raw_lat),
+        (worker_path.name, &rates, &lat),
+        (noop_path.name, &noop_rates, &noop_lat),
     ] {
         println!(
-            "{name:<16}  {rate:>8.0}  {:>9.2}  {:>9.2}  {:>9.2}",
+            "{name:<16}  {:>8.0}  {:>9.2}  {:>9.2}  {:>9.2}",
+            median(rates),
             ms(common::percentile(lat, 50.0)),
             ms(common::percentile(lat, 99.0)),
             ms(*lat.last().unwrap()),
         );
     }
+    let ratios = |of: &[f64]| -> Vec<f64> {
+        of.iter()
+            .zip(&raw_rates)
+            .map(|(x, r)| 100.0 * x / r)
+            .collect()
+    };
+    let (http_ratios, noop_ratios) = (ratios(&rates), ratios(&noop_rates));
     let raw_p50 = common::percentile(&raw_lat, 50.0);
     let p50 = common::percentile(&lat, 50.0);
     let limit = raw_p50 * 2 + http;
     println!(
-        "throughput ratio jetworker/raw: {:.0} % (target ≥ 60 %)",
-        100.0 * rate / raw_rate
+        "throughput ratio jetworker/raw: {:.0} % (median of {rounds} rounds, {}; target ≥ 60 %)",
+        median(&http_ratios),
+        spread(&http_ratios)
     );
     println!(
         "p50: {:.2} ms against 2 × raw p50 + HTTP p50 = 2 × {:.2} + {:.2} = {:.2} ms ({})",
@@ -551,8 +632,10 @@ async fn main() {
     );
     let noop_p50 = common::percentile(&noop_lat, 50.0);
     println!(
-        "no-op in-process: throughput {:.0} % of raw (target ≥ 60 %); p50 {:.2} ms against 2 × raw p50 = {:.2} ms ({})",
-        100.0 * noop_rate / raw_rate,
+        "no-op in-process: throughput {:.0} % of raw (median of {rounds} rounds, {}; target ≥ 60 %); \
+         p50 {:.2} ms against 2 × raw p50 = {:.2} ms ({})",
+        median(&noop_ratios),
+        spread(&noop_ratios),
         ms(noop_p50),
         ms(raw_p50 * 2),
         if noop_p50 <= raw_p50 * 2 {
@@ -579,4 +662,17 @@ async fn main() {
             " (cannot reset VmHWM here: cumulative)"
         }
     );
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// `lowest–highest` of per-round percentages.
+fn spread(xs: &[f64]) -> String {
+    let lo = xs.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("{lo:.0}–{hi:.0} %")
 }
