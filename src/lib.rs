@@ -32,6 +32,7 @@
 //! - The built-in runners (`runner::shell`, `command`, `http`,
 //!   `container`); `process` (process groups, signals, rlimits), `cgroup`
 //!   and `output` (bounded capture) serve them.
+//! - `memory`: the daemon hands its start-up code pages back once it pulls.
 //! - `metrics`: Prometheus `/metrics`, `/healthz`, `/readyz`; `logfmt`:
 //!   JSON log lines with span fields at the top level.
 //! - `ui`: `jetworker ui`, the live web dashboard.
@@ -46,6 +47,7 @@ pub(crate) mod commands;
 pub mod config;
 pub(crate) mod connect;
 mod logfmt;
+pub(crate) mod memory;
 pub(crate) mod metrics;
 pub(crate) mod output;
 pub(crate) mod process;

@@ -224,7 +224,11 @@ fn random_suffix() -> String {
 /// restart. Transient broker trouble at start (JetStream not ready, API
 /// timeouts, no responders) is retried here with backoff, not returned.
 pub async fn run(cfg: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    Worker::builder().config(cfg).run(shutdown).await
+    let mut b = Worker::builder().config(cfg);
+    // The daemon's own process: its start-up code can go once it pulls. A
+    // program embedding the worker decides about its own memory.
+    b.release_startup_pages = true;
+    b.run(shutdown).await
 }
 
 /// A worker embedded in a Rust program, with task types of its own.
@@ -255,6 +259,9 @@ type AddRunner = Box<dyn FnOnce(&mut Registry) -> Result<(), String> + Send>;
 pub struct WorkerBuilder {
     cfg: Option<WorkerConfig>,
     runners: Vec<AddRunner>,
+    /// Hand the executable's start-up pages back once pulling
+    /// ([`crate::memory`]): only for the daemon ([`run`]).
+    release_startup_pages: bool,
 }
 
 impl WorkerBuilder {
@@ -287,7 +294,7 @@ impl WorkerBuilder {
         // a span is left out when the log level filters out its own level, and
         // this one must be there at any level.
         let span = tracing::error_span!("worker", worker_id = %id);
-        run_as(cfg, self.runners, shutdown, id)
+        run_as(cfg, self.runners, self.release_startup_pages, shutdown, id)
             .instrument(span)
             .await
     }
@@ -297,6 +304,7 @@ impl WorkerBuilder {
 async fn run_as(
     cfg: WorkerConfig,
     custom: Vec<AddRunner>,
+    release_startup_pages: bool,
     shutdown: CancellationToken,
     id: String,
 ) -> anyhow::Result<()> {
@@ -562,6 +570,15 @@ async fn run_as(
             )
             .in_current_span(),
         ));
+    }
+    if release_startup_pages {
+        tokio::task::spawn_blocking(|| {
+            let n = crate::memory::release_startup_pages();
+            debug!(
+                kib = n / 1024,
+                "start-up pages of the executable handed back"
+            );
+        });
     }
 
     shutdown.cancelled().await;
