@@ -37,6 +37,20 @@ async fn queue_lines(url: &str, label: &str) -> Vec<Value> {
         .collect()
 }
 
+/// `jetworker queues` as a table: the whole output and the cells of the
+/// `default` row.
+async fn queues_table(url: &str) -> (String, Vec<String>) {
+    let o = jw(url, &["queues"]).await;
+    assert_exit(&o, 0);
+    let out = stdout(&o);
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("default"))
+        .unwrap_or_else(|| panic!("no default row: {out}"));
+    let cells = row.split_whitespace().map(str::to_string).collect();
+    (out, cells)
+}
+
 /// `jetworker status <id> --json`: exit code and the JSON.
 async fn status(url: &str, id: &str) -> (Option<i32>, Value) {
     let o = jw(url, &["status", id, "--json"]).await;
@@ -168,11 +182,7 @@ async fn queues_counts_waiting_and_running_tasks() {
         (q[0]["oldest_waiting_ms"].as_u64()? > age + 500).then_some(())
     })
     .await;
-    let o = jw(&url, &["queues"]).await;
-    assert_exit(&o, 0);
-    let out = stdout(&o);
-    let row = out.lines().find(|l| l.starts_with("default")).unwrap();
-    let cells: Vec<&str> = row.split_whitespace().collect();
+    let (out, cells) = queues_table(&url).await;
     assert_eq!(&cells[1..4], &["3", "1", "0"], "{out}");
     assert!(out.contains("OLDEST") && out.contains("PAUSED"), "{out}");
     // An unknown label is an empty answer, not an error.
@@ -215,12 +225,8 @@ async fn queues_count_a_retry_backoff_as_delayed_not_running() {
     })
     .await;
     assert_eq!(q["waiting"], 0, "{q}");
-    let o = jw(&url, &["queues"]).await;
-    assert_exit(&o, 0);
-    let out = stdout(&o);
+    let (out, cells) = queues_table(&url).await;
     assert!(out.contains("DELAYED"), "{out}");
-    let row = out.lines().find(|l| l.starts_with("default")).unwrap();
-    let cells: Vec<&str> = row.split_whitespace().collect();
     assert_eq!(&cells[1..4], &["0", "1", "1"], "{out}");
     drop(w);
 }
