@@ -180,15 +180,22 @@ impl WorkerProc {
             / 1024.0
     }
 
-    /// Idle RSS: the highest of samples over 3 s (six heartbeats), so that
-    /// what the idle loop faults back in after start-up is counted.
-    async fn idle_rss_mib(&self) -> f64 {
+    /// The highest RSS of `samples` readings, `every` apart.
+    async fn peak_rss_mib(&self, samples: usize, every: Duration) -> f64 {
         let mut peak: f64 = 0.0;
-        for _ in 0..12 {
+        for i in 0..samples {
+            if i > 0 {
+                tokio::time::sleep(every).await;
+            }
             peak = peak.max(self.rss_mib());
-            tokio::time::sleep(Duration::from_millis(250)).await;
         }
-        peak.max(self.rss_mib())
+        peak
+    }
+
+    /// Idle RSS: the highest of 13 samples over 3 s (six heartbeats), so
+    /// that what the idle loop faults back in after start-up is counted.
+    async fn idle_rss_mib(&self) -> f64 {
+        self.peak_rss_mib(13, Duration::from_millis(250)).await
     }
 
     /// Direct children (task processes and the watchdog).
@@ -493,7 +500,6 @@ async fn main() {
         .await;
     }
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mut peak: f64 = 0.0;
     // 64 tasks plus the watchdog.
     while w.children() < 65 {
         assert!(
@@ -503,10 +509,7 @@ async fn main() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    for _ in 0..20 {
-        peak = peak.max(w.rss_mib());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let peak = w.peak_rss_mib(20, Duration::from_millis(50)).await;
     for _ in 0..64 {
         res.next_final(&format!("r{run}-")).await;
     }

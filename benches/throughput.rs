@@ -597,7 +597,7 @@ async fn main() {
     ] {
         println!(
             "{name:<16}  {:>8.0}  {:>9.2}  {:>9.2}  {:>9.2}",
-            median(rates),
+            common::median(rates),
             ms(common::percentile(lat, 50.0)),
             ms(common::percentile(lat, 99.0)),
             ms(*lat.last().unwrap()),
@@ -615,7 +615,7 @@ async fn main() {
     let limit = raw_p50 * 2 + http;
     println!(
         "throughput ratio jetworker/raw: {:.0} % (median of {rounds} rounds, {}; target ≥ 60 %)",
-        median(&http_ratios),
+        common::median(&http_ratios),
         spread(&http_ratios)
     );
     println!(
@@ -634,7 +634,7 @@ async fn main() {
     println!(
         "no-op in-process: throughput {:.0} % of raw (median of {rounds} rounds, {}; target ≥ 60 %); \
          p50 {:.2} ms against 2 × raw p50 = {:.2} ms ({})",
-        median(&noop_ratios),
+        common::median(&noop_ratios),
         spread(&noop_ratios),
         ms(noop_p50),
         ms(raw_p50 * 2),
@@ -662,12 +662,6 @@ async fn main() {
             " (cannot reset VmHWM here: cumulative)"
         }
     );
-}
-
-fn median(xs: &[f64]) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// `lowest–highest` of per-round percentages.
