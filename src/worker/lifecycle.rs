@@ -371,7 +371,7 @@ async fn write_after(
         }
         let expected = last.as_ref().map_or(0, |l| l.seq);
         let entry = records::entry(sh, &mut r, expected, false);
-        match entry.publish(&sh.js, sh.max_payload).await {
+        match entry.publish(&sh.client, sh.max_payload).await {
             Ok(seq) => {
                 settled_without_run(sh, &r);
                 return Ok((r, seq));

@@ -64,6 +64,9 @@ pub(crate) struct Shared {
     /// A second connection for live output (`logs.<id>`), so a chatty task
     /// can never delay progress acks and results on the main one (`js`).
     pub live_client: async_nats::Client,
+    /// The main connection: records and copies are published on it as
+    /// core requests ([`outbox::Entry::publish`]); `js` wraps it.
+    pub client: async_nats::Client,
     pub js: jetstream::Context,
     pub names: Names,
     pub infra: Infra,
@@ -470,6 +473,7 @@ async fn run_as(
         id: id.clone(),
         hostname,
         live_client,
+        client: client.clone(),
         js,
         names,
         infra,

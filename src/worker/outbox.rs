@@ -29,7 +29,6 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
@@ -97,55 +96,101 @@ impl Entry {
     }
 
     /// Publish once and wait for the PubAck: the stored stream sequence.
+    ///
+    /// A core request with one timer and a reply parsed for what a writer
+    /// decides on ([`PubAck`]), rather than async-nats' JetStream publish
+    /// (an ack-permit semaphore, three timers with the caller's, a boxed
+    /// future and an untagged reply that fails one parse on every
+    /// success): two of these are on every task's critical path.
     pub(crate) async fn publish(
         &self,
-        js: &jetstream::Context,
+        client: &async_nats::Client,
         max_payload: usize,
     ) -> Result<u64, PublishFailure> {
+        use async_nats::{header, RequestErrorKind};
         if self.wire_size() > max_payload {
             return Err(PublishFailure::Permanent(format!(
                 "{} bytes do not fit the server's max_payload ({max_payload})",
                 self.wire_size()
             )));
         }
-        let mut m = PublishMessage::build().payload(self.payload.clone());
-        m = if self.cas_only {
-            m.header(HEADER_WRITE_ID, self.msg_id.as_str())
+        let mut h = async_nats::HeaderMap::new();
+        if self.cas_only {
+            h.insert(HEADER_WRITE_ID, self.msg_id.as_str());
         } else {
-            m.message_id(&self.msg_id)
-        };
+            h.insert(header::NATS_MESSAGE_ID, self.msg_id.as_str());
+        }
         if let Some(seq) = self.expected_last_seq {
-            m = m.expected_last_subject_sequence(seq);
+            h.insert(header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, seq.to_string());
         }
         for (k, v) in &self.headers {
-            m = m.header(k.as_str(), v.as_str());
+            h.insert(k.as_str(), v.as_str());
         }
-        let fut = async {
-            let ack = js.send_publish(self.subject.clone(), m).await?;
-            ack.await
-        };
-        let failure = match tokio::time::timeout(PUBLISH_TIMEOUT, fut).await {
-            Ok(Ok(ack)) => return Ok(ack.sequence),
-            Ok(Err(e)) => e,
-            Err(_) => {
-                return Err(PublishFailure::Transient(format!(
-                    "no PubAck within {PUBLISH_TIMEOUT:?}"
-                )))
+        let request = async_nats::Request::new()
+            .headers(h)
+            .payload(self.payload.clone())
+            .timeout(Some(PUBLISH_TIMEOUT));
+        let reply = match client.send_request(self.subject.clone(), request).await {
+            Ok(m) => m,
+            Err(e) => {
+                return Err(match e.kind() {
+                    RequestErrorKind::NoResponders => PublishFailure::NoStream,
+                    RequestErrorKind::TimedOut => {
+                        PublishFailure::Transient(format!("no PubAck within {PUBLISH_TIMEOUT:?}"))
+                    }
+                    RequestErrorKind::MaxPayloadExceeded | RequestErrorKind::InvalidSubject => {
+                        PublishFailure::Permanent(e.to_string())
+                    }
+                    _ => classify_text(e.to_string()),
+                })
             }
         };
-        Err(match failure.kind() {
-            PublishErrorKind::WrongLastSequence => PublishFailure::Refused,
-            PublishErrorKind::StreamNotFound => PublishFailure::NoStream,
-            PublishErrorKind::MaxPayloadExceeded => PublishFailure::Permanent(failure.to_string()),
-            _ => {
-                let text = failure.to_string();
-                if text.contains("Permissions Violation") || text.contains("permission") {
-                    PublishFailure::Permanent(text)
-                } else {
-                    PublishFailure::Transient(text)
-                }
-            }
-        })
+        match serde_json::from_slice::<PubAck>(&reply.payload) {
+            Ok(PubAck { error: None, seq }) if seq > 0 => Ok(seq),
+            Ok(PubAck { error: Some(e), .. }) => Err(match e.err_code {
+                ERR_WRONG_LAST_SEQUENCE => PublishFailure::Refused,
+                ERR_MESSAGE_TOO_LARGE => PublishFailure::Permanent(e.description),
+                _ => classify_text(format!("{} (error {})", e.description, e.err_code)),
+            }),
+            _ => Err(PublishFailure::Transient(format!(
+                "not a PubAck: {}",
+                String::from_utf8_lossy(&reply.payload)
+            ))),
+        }
+    }
+}
+
+/// A broker's answer to a JetStream publish: the stored sequence, or an
+/// API error (what [`Entry::publish`] decides on; the rest is ignored).
+#[derive(Deserialize)]
+struct PubAck {
+    #[serde(default)]
+    seq: u64,
+    #[serde(default)]
+    error: Option<ApiError>,
+}
+
+#[derive(Deserialize)]
+struct ApiError {
+    #[serde(default)]
+    err_code: u64,
+    #[serde(default)]
+    description: String,
+}
+
+/// JetStream's "wrong last sequence": the compare-and-set refused it.
+const ERR_WRONG_LAST_SEQUENCE: u64 = 10071;
+/// JetStream's "message size exceeds maximum allowed" (the stream's
+/// `max_msg_size`): the same bytes can never be stored.
+const ERR_MESSAGE_TOO_LARGE: u64 = 10054;
+
+/// A failure named only by its text: a permission error is permanent,
+/// anything else may pass after a reconnect or a moment.
+fn classify_text(text: String) -> PublishFailure {
+    if text.contains("Permissions Violation") || text.contains("permission") {
+        PublishFailure::Permanent(text)
+    } else {
+        PublishFailure::Transient(text)
     }
 }
 
@@ -193,7 +238,7 @@ pub(crate) async fn deliver(sh: &Shared, entry: &Entry, mut file: Option<PathBuf
                 }
             }
         }
-        let failure = match entry.publish(&sh.js, sh.max_payload).await {
+        let failure = match entry.publish(&sh.client, sh.max_payload).await {
             Ok(seq) => {
                 if let Some(id) = once {
                     super::downstream::drop_late_copy(sh, id, seq).await;

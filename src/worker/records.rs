@@ -107,7 +107,11 @@ pub(crate) fn entry(sh: &Shared, r: &mut TaskResult, expected: u64, ran: bool) -
 fn encode(r: &mut TaskResult, max_payload: usize) -> Bytes {
     let limit = max_payload.saturating_sub(1024);
     loop {
-        let b = serde_json::to_vec(&r).expect("result serializes");
+        // Sized for a record with its output, so the buffer grows once at
+        // most (about 450 bytes besides the output).
+        let mut b =
+            Vec::with_capacity(640 + r.output.len() + r.error.as_ref().map_or(0, String::len));
+        serde_json::to_writer(&mut b, &r).expect("result serializes");
         if b.len() <= limit || r.output.is_empty() {
             return b.into();
         }
