@@ -21,6 +21,7 @@ mod downstream;
 mod heartbeat;
 mod lifecycle;
 pub(crate) mod outbox;
+mod puller;
 mod readiness;
 mod records;
 mod running;
@@ -780,11 +781,23 @@ async fn prepare(
 async fn pull_loop(
     sh: Arc<Shared>,
     label: String,
-    mut consumer: PullConsumer,
+    consumer: PullConsumer,
     sem: Arc<Semaphore>,
     tracker: TaskTracker,
     per_pull: usize,
 ) {
+    let mut puller = loop {
+        match puller::Puller::new(&sh.client, sh.js.clone(), consumer.clone()).await {
+            Ok(p) => break p,
+            Err(e) => {
+                warn!(label, "cannot subscribe the pull inbox: {e}");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    _ = sh.shutdown.cancelled() => return,
+                }
+            }
+        }
+    };
     let mut failures = 0u32;
     loop {
         // Shutdown first: with a free slot, both branches are ready.
@@ -808,12 +821,7 @@ async fn pull_loop(
         }
         let generation = sh.conn.generation();
         let sent = tokio::time::Instant::now();
-        let batch = consumer
-            .fetch()
-            .max_messages(permits.len())
-            .expires(PULL_EXPIRES)
-            .messages()
-            .await;
+        let batch = puller.pull(permits.len(), PULL_EXPIRES).await;
         let mut batch = match batch {
             Ok(b) => {
                 failures = 0;
@@ -840,7 +848,7 @@ async fn pull_loop(
                     )
                     .await
                     {
-                        consumer = c;
+                        puller.set_consumer(c);
                     }
                 }
                 continue;
