@@ -15,7 +15,10 @@
 //!    (`--cgroups auto`):
 //!    - tasks/s for N `command /bin/true` and N `shell true` tasks
 //!      published at once, and the ratio to the raw spawn rates above;
-//!    - the worker's CPU (user + system, not its children) per task;
+//!    - the worker's CPU (user + system, not its children) per task, and
+//!      the nats-server's;
+//!    - the ceiling: the most any worker could reach, the spawn path alone
+//!      (part 1) plus the server's CPU per task and no worker overhead;
 //!    - p50 publish → result for `command /bin/true` at 100 tasks/s, next
 //!      to the raw JetStream round trip (publish → PubAck) and the raw
 //!      spawn latency (`posix_spawn` + `waitpid` of `/bin/true`), each
@@ -159,16 +162,7 @@ impl WorkerProc {
 
     /// User + system CPU of the worker itself (not its children), seconds.
     fn cpu(&self) -> f64 {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap();
-        let f: Vec<&str> = stat
-            .rsplit_once(')')
-            .unwrap()
-            .1
-            .split_whitespace()
-            .collect();
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / hz
+        common::cpu_seconds(self.pid())
     }
 
     fn rss_mib(&self) -> f64 {
@@ -258,15 +252,27 @@ async fn publish(js: &jetstream::Context, body: String) {
 }
 
 /// N tasks at once; (tasks/s, worker CPU ms per task).
+/// What one end-to-end batch measured.
+struct Batch {
+    /// Tasks/s.
+    rate: f64,
+    /// CPU per task of the worker (not its children) and of the
+    /// nats-server, ms.
+    worker_ms: f64,
+    server_ms: f64,
+}
+
 async fn batch(
     js: &jetstream::Context,
     res: &mut Results,
     w: &WorkerProc,
+    server_pid: u32,
     kind: &str,
     prefix: &str,
     n: usize,
-) -> (f64, f64) {
+) -> Batch {
     let cpu0 = w.cpu();
+    let server0 = common::cpu_seconds(server_pid);
     let start = Instant::now();
     futures::stream::iter(0..n)
         .map(|i| publish(js, format!(r#"{{{kind},"id":"{prefix}{i:06}"}}"#)))
@@ -278,7 +284,12 @@ async fn batch(
         seen.insert(res.next_final(prefix).await.0.id);
     }
     let rate = n as f64 / start.elapsed().as_secs_f64();
-    (rate, (w.cpu() - cpu0) * 1000.0 / n as f64)
+    let per_task = |s: f64| s * 1000.0 / n as f64;
+    Batch {
+        rate,
+        worker_ms: per_task(w.cpu() - cpu0),
+        server_ms: per_task(common::cpu_seconds(server_pid) - server0),
+    }
 }
 
 /// `n` tasks published at `per_sec` (open loop); sorted latencies.
@@ -391,36 +402,53 @@ async fn main() {
     let w = WorkerProc::start(&server.url(), &js, par, "bench-spawn").await;
     let idle_rss = w.idle_rss_mib().await;
     let run = std::process::id();
-    let (mut c_rate, mut c_cpu, mut s_rate, mut s_cpu) = (vec![], vec![], vec![], vec![]);
+    let server_pid = server.pid().expect("the server runs");
+    let (mut cmd, mut shell) = (vec![], vec![]);
     for round in 0..rounds {
-        let (r, c) = batch(
-            &js,
-            &mut res,
-            &w,
-            r#""type":"command","command":"/bin/true""#,
-            &format!("c{run}-{round}-"),
-            n_tasks,
-        )
-        .await;
-        c_rate.push(r);
-        c_cpu.push(c);
-        let (r, c) = batch(
-            &js,
-            &mut res,
-            &w,
-            r#""type":"shell","payload":"true""#,
-            &format!("s{run}-{round}-"),
-            n_tasks,
-        )
-        .await;
-        s_rate.push(r);
-        s_cpu.push(c);
+        for (kind, prefix, into) in [
+            (r#""type":"command","command":"/bin/true""#, "c", &mut cmd),
+            (r#""type":"shell","payload":"true""#, "s", &mut shell),
+        ] {
+            let b = batch(
+                &js,
+                &mut res,
+                &w,
+                server_pid,
+                kind,
+                &format!("{prefix}{run}-{round}-"),
+                n_tasks,
+            )
+            .await;
+            into.push(b);
+        }
     }
-    let (c_rate, c_cpu) = (common::median(&c_rate), common::median(&c_cpu));
-    let (s_rate, s_cpu) = (common::median(&s_rate), common::median(&s_cpu));
+    let med =
+        |v: &[Batch], f: fn(&Batch) -> f64| common::median(&v.iter().map(f).collect::<Vec<_>>());
+    let (c_rate, c_cpu, c_srv) = (
+        med(&cmd, |b| b.rate),
+        med(&cmd, |b| b.worker_ms),
+        med(&cmd, |b| b.server_ms),
+    );
+    let (s_rate, s_cpu, s_srv) = (
+        med(&shell, |b| b.rate),
+        med(&shell, |b| b.worker_ms),
+        med(&shell, |b| b.server_ms),
+    );
     println!("\n2. end to end, worker process with --slots {par}, containment on");
     println!("  command /bin/true  {c_rate:>6.0} tasks/s  {:>4.0} % of raw posix_spawn (target 80 %)  worker CPU {c_cpu:.3} ms/task (target 0.3)", 100.0 * c_rate / raw_t);
     println!("  shell true         {s_rate:>6.0} tasks/s  {:>4.0} % of raw bash -c true (target 80 %)  worker CPU {s_cpu:.3} ms/task", 100.0 * s_rate / raw_b);
+    // The most any worker could reach: the contained spawn path alone (part
+    // 1, which keeps the CPUs busy) plus the CPU the broker itself spends
+    // per task, and no worker overhead at all.
+    let cpus = std::thread::available_parallelism().map_or(1, |p| p.get()) as f64;
+    let ceiling = |runner: f64, server_ms: f64| 1.0 / (1.0 / runner + server_ms / 1000.0 / cpus);
+    println!(
+        "  nats-server CPU per task: command {c_srv:.3} ms, shell {s_srv:.3} ms; ceiling with no \
+         worker overhead (runner alone + the server's CPU, {cpus:.0} CPUs): command {:.0} %, \
+         shell {:.0} % of raw",
+        100.0 * ceiling(jw_c, c_srv) / raw_t,
+        100.0 * ceiling(jw_s, s_srv) / raw_b
+    );
 
     // Latency at 100/s, and the references.
     let mut rt = Vec::new();

@@ -5,6 +5,15 @@
 //!   (at most one message per free slot, 64 slots), publish a result of the
 //!   same size as jetworker's to a file-backed results stream and wait for
 //!   its PubAck, ack. Same task messages, same storage.
+//! - **raw loop + HTTP** (the ceiling for `http` tasks): the same loop
+//!   making the task's GET (one kept-alive client, as the worker's) before
+//!   it publishes. No worker that stores a result and makes the request
+//!   can go faster; its ratio to the raw loop bounds the `http` ratio.
+//! - **raw loop + claim** (the floor of invariant I3): the same loop
+//!   writing a `running` record of the same size first and awaiting its
+//!   PubAck, as every worker that claims an id before running it must
+//!   (DESIGN.md section 5); its ratio to the raw loop is what the claim
+//!   alone costs, and bounds the no-op ratio of such a worker.
 //! - **jetworker, trivial `http` tasks**: the daemon's own entry point
 //!   (`jetworker::Worker::builder`) in this process with 64 slots, each
 //!   task a GET to a local HTTP server that answers at once.
@@ -23,6 +32,10 @@
 //! seen on `results.>`). Printed: the ratio jetworker / raw, and the
 //! targets of DESIGN.md/BENCHMARKS.md (throughput ≥ 60 % of the raw loop;
 //! p50 ≤ 2 × raw p50 + the HTTP request's own p50, measured here too).
+//!
+//! **CPU per task** in each throughput phase, of the nats-server and of
+//! this process (the worker or the raw loop, with the harness), from
+//! `/proc`: steadier than rates on a shared machine.
 //!
 //! **Round trips**: a wiretap subscription on `>` counts, per task, what the
 //! worker sends on the critical path: writes to `results.<id>` (each waits
@@ -60,6 +73,10 @@ const SLOTS: usize = 64;
 const GIVE_UP: Duration = Duration::from_secs(600);
 /// The paced load.
 const RATE_PER_S: u64 = 100;
+/// Where the "raw loop + HTTP" reference's tasks go.
+const RAW_HTTP_SUBJECT: &str = "raw.tasks.http";
+/// Where the "raw loop + claim" reference's tasks go.
+const RAW_CLAIM_SUBJECT: &str = "raw.tasks.claim";
 
 /// A worker running in this process; drained on [`Worker::stop`].
 struct Worker {
@@ -179,8 +196,18 @@ fn task_json(kind: &str, url: &str, id: &str) -> bytes::Bytes {
     }
 }
 
+/// What one throughput phase measured.
+struct Phase {
+    /// Tasks/s.
+    rate: f64,
+    /// CPU per task, in µs, of the nats-server and of this process (the
+    /// worker or the raw loop, and the harness that publishes and collects).
+    server_us: f64,
+    own_us: f64,
+}
+
 /// Publish `n` tasks at once (up to 256 acks in flight), then wait for all
-/// their final results: tasks/s.
+/// their final results.
 async fn throughput(
     js: &jetstream::Context,
     path: &Path,
@@ -188,7 +215,15 @@ async fn throughput(
     url: &str,
     prefix: &str,
     n: usize,
-) -> f64 {
+) -> Phase {
+    let server = SERVER_PID.load(std::sync::atomic::Ordering::Relaxed);
+    let cpu = || {
+        (
+            common::cpu_seconds(server),
+            common::cpu_seconds(std::process::id()),
+        )
+    };
+    let cpu0 = cpu();
     let start = Instant::now();
     futures::stream::iter(0..n)
         .map(|i| {
@@ -209,8 +244,18 @@ async fn throughput(
     while seen.len() < n {
         seen.insert(results.next_final().await.id);
     }
-    n as f64 / start.elapsed().as_secs_f64()
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let cpu1 = cpu();
+    let per_task = |s: f64| s * 1e6 / n as f64;
+    Phase {
+        rate,
+        server_us: per_task(cpu1.0 - cpu0.0),
+        own_us: per_task(cpu1.1 - cpu0.1),
+    }
 }
+
+/// The nats-server's pid, for [`throughput`]'s CPU figures.
+static SERVER_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// Publish `n` tasks at a steady [`RATE_PER_S`]; sorted publish → final
 /// result latencies.
@@ -272,6 +317,11 @@ async fn wait_empty(js: &jetstream::Context, stream: &str) {
 /// The reference: pull → read the task's id → publish a result of the same
 /// shape and size as jetworker's (await the PubAck) → ack, with at most one
 /// message per free slot, until `stop`.
+///
+/// A task published on `raw.tasks.http` is also fetched from its `url`
+/// first (the "raw loop + HTTP" reference); one on `raw.tasks.claim` gets a
+/// `running` record first, its PubAck awaited (the "raw loop + claim"
+/// reference).
 async fn raw_loop(
     js: jetstream::Context,
     consumer: jetstream::consumer::PullConsumer,
@@ -281,7 +331,10 @@ async fn raw_loop(
     #[derive(serde::Deserialize)]
     struct Id {
         id: String,
+        #[serde(default)]
+        url: String,
     }
+    let http = reqwest_client();
     let sample = Arc::new(sample);
     let sem = Arc::new(Semaphore::new(SLOTS));
     while !stop.is_cancelled() {
@@ -303,17 +356,35 @@ async fn raw_loop(
             let Some(permit) = permits.pop() else { break };
             let js = js.clone();
             let sample = sample.clone();
+            let http = http.clone();
             tokio::spawn(async move {
-                let id = serde_json::from_slice::<Id>(&msg.payload).unwrap().id;
+                let Id { id, url } = serde_json::from_slice::<Id>(&msg.payload).unwrap();
                 let mut r = (*sample).clone();
                 r.idempotency_key = Some(id.clone());
                 r.id = id;
-                let body = bytes::Bytes::from(serde_json::to_vec(&r).unwrap());
-                js.publish(format!("raw.results.{}", r.id), body)
-                    .await
-                    .expect("publish result")
-                    .await
-                    .expect("result PubAck");
+                // Publish a record and wait for its PubAck.
+                let store = |r: &TaskResult| {
+                    let body = bytes::Bytes::from(serde_json::to_vec(r).unwrap());
+                    let (js, subject) = (js.clone(), format!("raw.results.{}", r.id));
+                    async move {
+                        js.publish(subject, body)
+                            .await
+                            .expect("publish a record")
+                            .await
+                            .expect("a record's PubAck");
+                    }
+                };
+                if msg.subject.as_str() == RAW_CLAIM_SUBJECT {
+                    let mut claim = r.clone();
+                    claim.status = Status::Running;
+                    claim.is_final = false;
+                    store(&claim).await;
+                }
+                if msg.subject.as_str() == RAW_HTTP_SUBJECT {
+                    let r = http.get(&url).send().await.expect("GET");
+                    let _ = r.bytes().await.expect("GET body");
+                }
+                store(&r).await;
                 let _ = msg.ack().await;
                 drop(permit);
             });
@@ -443,12 +514,17 @@ async fn main() {
     let n_paced = common::env_usize("BENCH_PACED", 300);
     let rounds = common::env_usize("BENCH_ROUNDS", 5);
     let server = common::NatsServer::start();
+    SERVER_PID.store(
+        server.pid().expect("the server runs"),
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let client = async_nats::connect(server.url()).await.unwrap();
     let js = jetstream::new(client.clone());
     let url = http_server().await;
     let run = std::process::id();
     println!(
-        "throughput: {n} tasks per batch, {rounds} rounds (raw, http, no-op in turn), \
+        "throughput: {n} tasks per batch, {rounds} rounds (raw, raw + HTTP, raw + claim, http, \
+         no-op in turn), \
          {n_paced} paced at {RATE_PER_S}/s, {SLOTS} slots; {} CPUs",
         std::thread::available_parallelism().map_or(0, |p| p.get())
     );
@@ -459,6 +535,16 @@ async fn main() {
         task_subject: "raw.tasks.default".into(),
         results_prefix: "raw.results".into(),
         kind: "http",
+    };
+    let raw_http = Path {
+        name: "raw loop + HTTP",
+        task_subject: RAW_HTTP_SUBJECT.into(),
+        ..raw.clone()
+    };
+    let raw_claim = Path {
+        name: "raw loop + claim",
+        task_subject: RAW_CLAIM_SUBJECT.into(),
+        ..raw.clone()
     };
     let consumer = raw_setup(&js).await;
     let sample = {
@@ -503,47 +589,54 @@ async fn main() {
     let mut results = Results::subscribe(&client, &worker_path).await;
 
     let (mut raw_rates, mut rates, mut noop_rates) = (vec![], vec![], vec![]);
+    let (mut raw_http_rates, mut raw_claim_rates) = (vec![], vec![]);
+    // CPU µs per task (server, this process) of each path, per round.
+    let mut cpu: [Vec<(f64, f64)>; 5] = Default::default();
     for round in 0..rounds {
-        let r = throughput(
-            &js,
-            &raw,
-            &mut raw_results,
-            &url,
-            &format!("r{run}-{round}-"),
-            n,
-        )
-        .await;
-        wait_empty(&js, "RAW").await;
-        let h = throughput(
-            &js,
-            &worker_path,
-            &mut results,
-            &url,
-            &format!("b{run}-{round}-"),
-            n,
-        )
-        .await;
-        wait_empty(&js, &tasks_stream).await;
-        // The worker's own overhead: no-op in-process tasks.
-        perf_ctl("enable");
-        let z = throughput(
-            &js,
-            &noop_path,
-            &mut results,
-            &url,
-            &format!("n{run}-{round}-"),
-            n,
-        )
-        .await;
-        perf_ctl("disable");
-        wait_empty(&js, &tasks_stream).await;
+        // The references on RAW, then jetworker on TASKS; the perf control
+        // FIFO (if any) records the no-op phase alone.
+        let mut phases = Vec::with_capacity(5);
+        for (path, tag) in [
+            (&raw, "r"),
+            (&raw_http, "rh"),
+            (&raw_claim, "rc"),
+            (&worker_path, "b"),
+            (&noop_path, "n"),
+        ] {
+            let on_raw = path.results_prefix == raw.results_prefix;
+            let (res, stream) = if on_raw {
+                (&mut raw_results, "RAW")
+            } else {
+                (&mut results, tasks_stream.as_str())
+            };
+            let noop = path.kind == noop_path.kind;
+            if noop {
+                perf_ctl("enable");
+            }
+            let prefix = format!("{tag}{run}-{round}-");
+            phases.push(throughput(&js, path, res, &url, &prefix, n).await);
+            if noop {
+                perf_ctl("disable");
+            }
+            wait_empty(&js, stream).await;
+        }
+        let [r, rh, rc, h, z]: [Phase; 5] = phases.try_into().ok().expect("five phases");
+        for (i, p) in [&r, &rh, &rc, &h, &z].into_iter().enumerate() {
+            cpu[i].push((p.server_us, p.own_us));
+        }
+        let (r, rh, rc, h, z) = (r.rate, rh.rate, rc.rate, h.rate, z.rate);
         println!(
-            "round {}: raw {r:.0}/s, http {h:.0}/s ({:.0} %), no-op {z:.0}/s ({:.0} %)",
+            "round {}: raw {r:.0}/s, raw + HTTP {rh:.0}/s ({:.0} %), raw + claim {rc:.0}/s ({:.0} %), \
+             http {h:.0}/s ({:.0} %), no-op {z:.0}/s ({:.0} %)",
             round + 1,
+            100.0 * rh / r,
+            100.0 * rc / r,
             100.0 * h / r,
             100.0 * z / r
         );
         raw_rates.push(r);
+        raw_http_rates.push(rh);
+        raw_claim_rates.push(rc);
         rates.push(h);
         noop_rates.push(z);
     }
@@ -603,20 +696,48 @@ async fn main() {
             ms(*lat.last().unwrap()),
         );
     }
-    let ratios = |of: &[f64]| -> Vec<f64> {
-        of.iter()
-            .zip(&raw_rates)
-            .map(|(x, r)| 100.0 * x / r)
-            .collect()
+    println!(
+        "CPU per task in the throughput phases (median of {rounds} rounds, µs): \
+         nats-server / this process (worker or raw loop, and the harness)"
+    );
+    for (name, c) in [
+        (raw.name, &cpu[0]),
+        (raw_http.name, &cpu[1]),
+        (raw_claim.name, &cpu[2]),
+        (worker_path.name, &cpu[3]),
+        (noop_path.name, &cpu[4]),
+    ] {
+        let server: Vec<f64> = c.iter().map(|x| x.0).collect();
+        let own: Vec<f64> = c.iter().map(|x| x.1).collect();
+        println!(
+            "  {name:<16}  {:>6.0} / {:>6.0}",
+            common::median(&server),
+            common::median(&own)
+        );
+    }
+    // Per-round percentages of `of` against `to`.
+    let pct = |of: &[f64], to: &[f64]| -> Vec<f64> {
+        of.iter().zip(to).map(|(x, r)| 100.0 * x / r).collect()
     };
+    let ratios = |of: &[f64]| pct(of, &raw_rates);
     let (http_ratios, noop_ratios) = (ratios(&rates), ratios(&noop_rates));
     let raw_p50 = common::percentile(&raw_lat, 50.0);
     let p50 = common::percentile(&lat, 50.0);
     let limit = raw_p50 * 2 + http;
+    let ceiling = ratios(&raw_http_rates);
+    let of_ceiling = pct(&rates, &raw_http_rates);
     println!(
         "throughput ratio jetworker/raw: {:.0} % (median of {rounds} rounds, {}; target ≥ 60 %)",
         common::median(&http_ratios),
         spread(&http_ratios)
+    );
+    println!(
+        "  ceiling: raw loop + HTTP / raw = {:.0} % ({}): no worker that makes the request \
+         and stores a result goes faster; jetworker http = {:.0} % of it ({})",
+        common::median(&ceiling),
+        spread(&ceiling),
+        common::median(&of_ceiling),
+        spread(&of_ceiling)
     );
     println!(
         "p50: {:.2} ms against 2 × raw p50 + HTTP p50 = 2 × {:.2} + {:.2} = {:.2} ms ({})",
@@ -643,6 +764,16 @@ async fn main() {
         } else {
             "over the target"
         }
+    );
+    let claim_floor = ratios(&raw_claim_rates);
+    let of_floor = pct(&noop_rates, &raw_claim_rates);
+    println!(
+        "  the claim's cost: raw loop + claim / raw = {:.0} % ({}): the most a worker that claims \
+         each id before running it can reach; jetworker no-op = {:.0} % of it ({})",
+        common::median(&claim_floor),
+        spread(&claim_floor),
+        common::median(&of_floor),
+        spread(&of_floor)
     );
     let t = tap.lock().unwrap();
     let per = |x: usize| x as f64 / n_paced as f64;

@@ -58,6 +58,22 @@ pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// CPU time (user + system) that process `pid` has used so far, in
+/// seconds (`/proc/<pid>/stat`; a clock tick is 10 ms, so measure phases
+/// of a second or more).
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .unwrap_or_else(|e| panic!("/proc/{pid}/stat: {e}"));
+    // Fields after the command's closing parenthesis, from field 3 (state):
+    // utime is field 14, stime field 15.
+    let f: Vec<&str> = s[s.rfind(')').expect("stat has a comm") + 2..]
+        .split(' ')
+        .collect();
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    // SAFETY: sysconf has no preconditions.
+    ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+}
+
 /// Wait until a worker whose id starts with `prefix` has stored a
 /// heartbeat (its pullers start right after), at most 30 s.
 pub async fn wait_heartbeat(js: &async_nats::jetstream::Context, prefix: &str) {
