@@ -30,12 +30,16 @@ const CLIENT_MARGIN: Duration = Duration::from_secs(5);
 
 /// Pulls from one consumer over one subscription.
 pub(crate) struct Puller {
+    client: async_nats::Client,
     consumer: PullConsumer,
     /// The main connection's JetStream context, carried by each message so
     /// that it can be answered (acked) on that connection.
     context: jetstream::Context,
     inbox: Subject,
     sub: async_nats::Subscriber,
+    /// The subscription ended (the client closed it): subscribe anew
+    /// before the next pull rather than read an ended stream in a loop.
+    ended: bool,
 }
 
 /// One item of a pull: a message, or the error that ended the batch.
@@ -52,10 +56,12 @@ impl Puller {
         let inbox = Subject::from(client.new_inbox());
         let sub = client.subscribe(inbox.clone()).await?;
         Ok(Puller {
+            client: client.clone(),
             consumer,
             context,
             inbox,
             sub,
+            ended: false,
         })
     }
 
@@ -67,6 +73,16 @@ impl Puller {
     /// Ask for up to `n` messages, waiting at the server up to `expires`
     /// for the first; `Err` when the request could not be sent.
     pub(crate) async fn pull(&mut self, n: usize, expires: Duration) -> Result<Batch<'_>, String> {
+        if self.ended {
+            let inbox = Subject::from(self.client.new_inbox());
+            self.sub = self
+                .client
+                .subscribe(inbox.clone())
+                .await
+                .map_err(|e| format!("cannot subscribe the pull inbox: {e}"))?;
+            self.inbox = inbox;
+            self.ended = false;
+        }
         let request = BatchConfig {
             batch: n,
             expires: Some(expires),
@@ -100,7 +116,14 @@ impl Batch<'_> {
         while self.left > 0 {
             let msg = tokio::select! {
                 biased;
-                m = self.puller.sub.next() => m?,
+                m = self.puller.sub.next() => match m {
+                    Some(m) => m,
+                    None => {
+                        self.puller.ended = true;
+                        self.left = 0;
+                        return Some(Err("the pull inbox's subscription ended".into()));
+                    }
+                },
                 _ = tokio::time::sleep_until(self.deadline) => return None,
             };
             match msg.status.unwrap_or(StatusCode::OK) {
