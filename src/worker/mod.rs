@@ -786,18 +786,7 @@ async fn pull_loop(
     tracker: TaskTracker,
     per_pull: usize,
 ) {
-    let mut puller = loop {
-        match puller::Puller::new(&sh.client, sh.js.clone(), consumer.clone()).await {
-            Ok(p) => break p,
-            Err(e) => {
-                warn!(label, "cannot subscribe the pull inbox: {e}");
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-                    _ = sh.shutdown.cancelled() => return,
-                }
-            }
-        }
-    };
+    let mut puller = puller::Puller::new(sh.js.clone(), consumer);
     let mut failures = 0u32;
     loop {
         // Shutdown first: with a free slot, both branches are ready.

@@ -30,39 +30,29 @@ const CLIENT_MARGIN: Duration = Duration::from_secs(5);
 
 /// Pulls from one consumer over one subscription.
 pub(crate) struct Puller {
-    client: async_nats::Client,
     consumer: PullConsumer,
-    /// The main connection's JetStream context, carried by each message so
-    /// that it can be answered (acked) on that connection.
+    /// The main connection's JetStream context: its connection carries the
+    /// pulls and the inbox, and each message keeps it so that it can be
+    /// answered (acked) there.
     context: jetstream::Context,
-    inbox: Subject,
-    sub: async_nats::Subscriber,
-    /// The subscription ended (the client closed it): subscribe anew
-    /// before the next pull rather than read an ended stream in a loop.
-    ended: bool,
+    /// The inbox and its subscription; `None` before the first pull and
+    /// after the client ended it, so that the next pull subscribes (anew)
+    /// rather than read an ended stream in a loop.
+    sub: Option<(Subject, async_nats::Subscriber)>,
 }
 
 /// One item of a pull: a message, or the error that ended the batch.
 pub(crate) type Item = Result<jetstream::Message, String>;
 
 impl Puller {
-    /// Subscribe the puller's inbox on `client` (the connection the
-    /// consumer's context uses).
-    pub(crate) async fn new(
-        client: &async_nats::Client,
-        context: jetstream::Context,
-        consumer: PullConsumer,
-    ) -> Result<Self, async_nats::SubscribeError> {
-        let inbox = Subject::from(client.new_inbox());
-        let sub = client.subscribe(inbox.clone()).await?;
-        Ok(Puller {
-            client: client.clone(),
+    /// A puller for `consumer` on `context`'s connection; it subscribes
+    /// its inbox at the first pull.
+    pub(crate) fn new(context: jetstream::Context, consumer: PullConsumer) -> Self {
+        Puller {
             consumer,
             context,
-            inbox,
-            sub,
-            ended: false,
-        })
+            sub: None,
+        }
     }
 
     /// Use `consumer` from now on (it was recreated).
@@ -71,18 +61,22 @@ impl Puller {
     }
 
     /// Ask for up to `n` messages, waiting at the server up to `expires`
-    /// for the first; `Err` when the request could not be sent.
+    /// for the first; `Err` when the inbox could not be subscribed or the
+    /// request could not be sent.
     pub(crate) async fn pull(&mut self, n: usize, expires: Duration) -> Result<Batch<'_>, String> {
-        if self.ended {
-            let inbox = Subject::from(self.client.new_inbox());
-            self.sub = self
-                .client
-                .subscribe(inbox.clone())
-                .await
-                .map_err(|e| format!("cannot subscribe the pull inbox: {e}"))?;
-            self.inbox = inbox;
-            self.ended = false;
-        }
+        let inbox = match &self.sub {
+            Some((inbox, _)) => inbox.clone(),
+            None => {
+                let client = self.context.client();
+                let inbox = Subject::from(client.new_inbox());
+                let sub = client
+                    .subscribe(inbox.clone())
+                    .await
+                    .map_err(|e| format!("cannot subscribe the pull inbox: {e}"))?;
+                self.sub = Some((inbox.clone(), sub));
+                inbox
+            }
+        };
         let request = BatchConfig {
             batch: n,
             expires: Some(expires),
@@ -90,7 +84,7 @@ impl Puller {
             ..Default::default()
         };
         self.consumer
-            .request_batch(request, self.inbox.clone())
+            .request_batch(request, inbox)
             .await
             .map_err(|e| e.to_string())?;
         Ok(Batch {
@@ -114,12 +108,14 @@ impl Batch<'_> {
     /// The next message; `None` once the batch has ended.
     pub(crate) async fn next(&mut self) -> Option<Item> {
         while self.left > 0 {
+            // Subscribed by `pull`; taken only below, when it ended.
+            let (_, sub) = self.puller.sub.as_mut()?;
             let msg = tokio::select! {
                 biased;
-                m = self.puller.sub.next() => match m {
+                m = sub.next() => match m {
                     Some(m) => m,
                     None => {
-                        self.puller.ended = true;
+                        self.puller.sub = None;
                         self.left = 0;
                         return Some(Err("the pull inbox's subscription ended".into()));
                     }
